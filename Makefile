@@ -1,0 +1,45 @@
+# The README's two commands are `make demo` and `make test`; `.ci/run` calls `make test`.
+# Both create .venv, install the CPU torch wheel *before* the project (so nothing pulls a
+# multi-GB CUDA build), then install rlfeed in editable mode.
+
+PYTHON ?= python3
+VENV ?= .venv
+# GPU users: `make setup TORCH_SPEC=torch` keeps whatever torch>=2.4 build they want.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: setup system-deps demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Prometheus is a Debian package; the integration tests start a real server.
+system-deps:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	  else echo "note: prometheus not installed; its integration test will be skipped"; fi; }
+
+demo: setup
+	$(BIN)/rlfeed demo
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup system-deps lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python -m pytest -q tests/bench -s -m "slow or not slow"
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
