@@ -26,9 +26,9 @@ def as_lengths(lengths: ArrayLike) -> np.ndarray:
     array = np.asarray(lengths)
     if array.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        if not np.all(np.equal(np.mod(array, 1), 0)):
-            raise ValueError("lengths must be whole numbers of tokens")
+    is_integer = np.issubdtype(array.dtype, np.integer)
+    if array.size and not is_integer and not np.all(np.equal(np.mod(array, 1), 0)):
+        raise ValueError("lengths must be whole numbers of tokens")
     array = array.astype(np.int64)
     if array.size and array.min() < 1:
         index = int(np.argmin(array))
