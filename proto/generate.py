@@ -1,0 +1,63 @@
+"""Regenerate the committed Python gencode from `proto/rlfeed.proto`.
+
+Run: `.venv/bin/python -m rlfeed.proto.generate` (needs grpcio-tools). Writes
+`rlfeed_pb2.py`, `rlfeed_pb2.pyi` and `rlfeed_pb2_grpc.py` next to this file.
+
+protoc derives import paths from the file's path under its include root, so the .proto is
+copied to `<tmp>/rlfeed/proto/rlfeed.proto` first: the gRPC module then imports
+`from rlfeed.proto import rlfeed_pb2`, which works from any working directory. The output is
+a pure function of the .proto and the grpcio-tools version; `tests/test_proto_generated.py`
+checks that the committed files are up to date.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO_DIR = Path(__file__).resolve().parent
+PROTO_NAME = "rlfeed.proto"
+GENERATED = ("rlfeed_pb2.py", "rlfeed_pb2.pyi", "rlfeed_pb2_grpc.py")
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Compile rlfeed.proto into `out_dir`; returns the generated file paths."""
+    from grpc_tools import protoc  # a build-time tool, not a runtime dependency
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        package_dir = root / "rlfeed" / "proto"
+        package_dir.mkdir(parents=True)
+        shutil.copyfile(PROTO_DIR / PROTO_NAME, package_dir / PROTO_NAME)
+        build = root / "out"
+        build.mkdir()
+        args = [
+            "grpc_tools.protoc",
+            f"--proto_path={root}",
+            f"--python_out={build}",
+            f"--pyi_out={build}",
+            f"--grpc_python_out={build}",
+            f"rlfeed/proto/{PROTO_NAME}",
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO_DIR / PROTO_NAME}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in GENERATED:
+            target = out_dir / name
+            shutil.copyfile(build / "rlfeed" / "proto" / name, target)
+            written.append(target)
+    return written
+
+
+def main() -> int:
+    for path in generate(PROTO_DIR):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
