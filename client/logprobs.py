@@ -1,0 +1,285 @@
+"""Per-token log-probabilities of the targets without materializing the [T, V] logits.
+
+For T tokens and a vocabulary of V, the full logits hold T * V numbers: 0.6 MB per token in
+fp32 at Qwen3's V = 151,936, i.e. 20 GB for a 32k-token microbatch, before the log-softmax
+and its gradient of the same size (chapter 14.3). Three implementations, same contract:
+
+* `full_log_probs`: the straightforward computation, the reference for tests. Peak memory
+  grows like ~12 bytes * T * V in bf16 (matmul output, fp32 copy, fp32 log-softmax).
+* `chunked_log_probs`: the token axis in chunks under ordinary autograd. The transient
+  full tensor is gone, but autograd keeps every chunk's log-softmax for backward, so the
+  peak still grows with T (the chapter's middle option).
+* `checkpointed_log_probs`: a custom autograd Function that keeps only the inputs and a
+  per-token log-sum-exp, recomputes each chunk's logits in backward and accumulates the
+  weight gradient chunk by chunk. Peak memory is one chunk's logits (~6 bytes * chunk * V
+  in bf16) plus the weight gradient, independent of T. Cost: one more output-layer matmul
+  (about 4/3 of the full computation's FLOPs for the output layer).
+
+Numerics, all three: the matmul runs in the inputs' dtype (bf16 stays bf16, accumulating in
+fp32 inside the kernel), then logits are upcast to at least fp32 before the softmax;
+log-probs and entropies are returned in that dtype (fp32 for bf16/fp16/fp32 inputs).
+`checkpointed_log_probs` accumulates the weight gradient over chunks in fp32 and casts it
+to the weight's dtype once (for bf16 weights this costs a V x D fp32 buffer, 4 bytes per
+output-layer parameter, and keeps the gradient within one bf16 rounding of the full one).
+
+Shapes: hidden [..., D]; weight [V, D] (the `lm_head` / tied embedding weight); bias [V] or
+None; targets [...] int, in [0, V) (the next-token targets of `rlfeed.sched.layout`, fill 0
+where nothing is predicted; mask those positions in the loss, not here). Outputs [...].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "checkpointed_log_probs",
+    "chunked_log_probs",
+    "full_log_probs",
+]
+
+# Tokens per chunk. At V = 151,936 one chunk's fp32 logits are 0.6 GB; the T-independent
+# part of the checkpointed peak is a few times that.
+DEFAULT_CHUNK_SIZE = 1024
+
+LogProbs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half precision and fp32 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _validate(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int | None = None,
+) -> None:
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [V, D], got shape {tuple(weight.shape)}")
+    vocab, width = weight.shape
+    if hidden.ndim < 1 or hidden.shape[-1] != width:
+        raise ValueError(
+            f"hidden must be [..., D] with D = weight.shape[1] = {width}, got {tuple(hidden.shape)}"
+        )
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
+    if bias is not None and (tuple(bias.shape) != (vocab,) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must be [V] = [{vocab}] of dtype {weight.dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if targets.numel():
+        bad = (targets < 0) | (targets >= vocab)
+        if bool(bad.any()):
+            index = int(torch.nonzero(bad.reshape(-1))[0])
+            raise ValueError(
+                f"targets[{index}] (flat index) = {int(targets.reshape(-1)[index])} is outside "
+                f"the vocabulary [0, {vocab})"
+            )
+
+
+def _logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """[..., V] logits / temperature in the softmax dtype (a fresh tensor)."""
+    logits = F.linear(hidden, weight, bias).to(_softmax_dtype(hidden.dtype))
+    # In place is safe under autograd too: neither the cast nor the matmul saves its output.
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _log_probs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, return_entropy: bool
+) -> LogProbs:
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    picked = log_softmax.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    if not return_entropy:
+        return picked
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return picked, entropy
+
+
+def full_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> LogProbs:
+    """Straightforward reference: materializes the full [..., V] logits and log-softmax."""
+    _validate(hidden, weight, targets, bias, temperature)
+    return _log_probs_from_logits(
+        _logits(hidden, weight, bias, temperature), targets, return_entropy
+    )
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> LogProbs:
+    """Chunked over tokens without recomputation: forward memory shrinks, backward does not."""
+    _validate(hidden, weight, targets, bias, temperature, chunk_size)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    pieces = [
+        _log_probs_from_logits(
+            _logits(flat_hidden[start : start + chunk_size], weight, bias, temperature),
+            flat_targets[start : start + chunk_size],
+            return_entropy,
+        )
+        for start in range(0, flat_targets.numel(), chunk_size)
+    ]
+    if not pieces:
+        empty = flat_hidden.new_zeros(0, dtype=_softmax_dtype(hidden.dtype))
+        return (empty, empty.clone()) if return_entropy else empty
+    if not return_entropy:
+        return torch.cat(pieces).reshape(targets.shape)
+    log_probs, entropy = zip(*pieces, strict=True)
+    return torch.cat(log_probs).reshape(targets.shape), torch.cat(entropy).reshape(targets.shape)
+
+
+class _CheckpointedLogProbs(torch.autograd.Function):
+    """Chunked log-probs (and entropy) that recompute each chunk's logits in backward.
+
+    Saved for backward: the inputs and, per token, the log-sum-exp (and entropy): O(T)
+    instead of O(T * V).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, return_entropy):
+        ctx.set_materialize_grads(False)
+        tokens = targets.numel()
+        acc_dtype = _softmax_dtype(hidden.dtype)
+        log_probs = torch.empty(tokens, dtype=acc_dtype, device=hidden.device)
+        log_sum_exp = torch.empty_like(log_probs)
+        entropy = torch.empty_like(log_probs) if return_entropy else None
+        for start in range(0, tokens, chunk_size):
+            stop = min(start + chunk_size, tokens)
+            with torch.no_grad():
+                logits = _logits(hidden[start:stop], weight, bias, temperature)
+                chunk_lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(-1, targets[start:stop, None].long()).squeeze(-1)
+                log_probs[start:stop] = picked - chunk_lse
+                log_sum_exp[start:stop] = chunk_lse
+                if entropy is not None:
+                    log_softmax = logits.sub_(chunk_lse[:, None])
+                    entropy[start:stop] = -(log_softmax.exp() * log_softmax).sum(-1)
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, entropy)
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        if entropy is None:
+            return log_probs
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        hidden, weight, bias, targets, log_sum_exp, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        tokens, chunk_size, temperature = targets.numel(), ctx.chunk_size, ctx.temperature
+        acc_dtype = _softmax_dtype(hidden.dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+            if need_weight
+            else None
+        )
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device)
+            if need_bias
+            else None
+        )
+        rows = torch.arange(min(chunk_size, tokens), device=hidden.device)
+        for start in range(0, tokens, chunk_size):
+            stop = min(start + chunk_size, tokens)
+            hidden_chunk = hidden[start:stop]
+            with torch.no_grad():
+                # d log p(y) / dz = onehot(y) - p;  d H / dz = -p * (log p + H).
+                log_softmax = _logits(hidden_chunk, weight, bias, temperature)
+                log_softmax.sub_(log_sum_exp[start:stop, None])
+                if grad_entropy is not None:
+                    probs = log_softmax.exp()
+                    grad_logits = log_softmax.add_(entropy[start:stop, None])
+                    grad_logits.mul_(probs).mul_(-grad_entropy[start:stop, None])
+                    if grad_log_probs is not None:
+                        grad_logits.sub_(probs.mul_(grad_log_probs[start:stop, None]))
+                    del probs
+                else:
+                    # In place: one [chunk, V] buffer is the whole working set.
+                    grad_logits = log_softmax.exp_().mul_(-grad_log_probs[start:stop, None])
+                del log_softmax
+                if grad_log_probs is not None:
+                    grad_logits[rows[: stop - start], targets[start:stop].long()] += grad_log_probs[
+                        start:stop
+                    ]
+                if temperature != 1.0:
+                    grad_logits.div_(temperature)
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(hidden.dtype)
+                if grad_hidden is not None:
+                    torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+                if grad_weight is not None:
+                    if grad_weight.dtype == hidden.dtype:
+                        grad_weight.addmm_(grad_logits.t(), hidden_chunk)
+                    else:
+                        grad_weight += grad_logits.t() @ hidden_chunk
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def checkpointed_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> LogProbs:
+    """Log-probs of `targets` under softmax((hidden @ weight.T + bias) / temperature).
+
+    Chunks the token axis and recomputes each chunk's logits in backward, so neither the
+    forward nor the backward pass ever holds more than one chunk's [chunk_size, V] logits;
+    gradients flow to hidden, weight and bias and equal those of `full_log_probs` to
+    rounding. With `return_entropy=True` returns `(log_probs, entropy)` (per-token entropy
+    of the same tempered distribution, in nats, differentiable) from the same pass.
+    """
+    _validate(hidden, weight, targets, bias, temperature, chunk_size)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    out = _CheckpointedLogProbs.apply(
+        flat_hidden, weight, bias, flat_targets, int(chunk_size), float(temperature), return_entropy
+    )
+    if not return_entropy:
+        return out.reshape(targets.shape)
+    return out[0].reshape(targets.shape), out[1].reshape(targets.shape)
