@@ -143,7 +143,7 @@ class StepWaiting(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "num_rollouts", "num_groups", "zero_advantage_groups", "policy_token_count", "real_tokens", "computed_positions", "padded_positions", "rank_imbalance", "lockstep_efficiency", "microbatches_per_rank", "policy_version")
+    __slots__ = ("step", "num_rollouts", "num_groups", "zero_advantage_groups", "policy_token_count", "real_tokens", "computed_positions", "padded_positions", "rank_imbalance", "lockstep_efficiency", "microbatches_per_rank", "policy_version", "zero_advantage_groups_dropped", "min_policy_version", "largest_microbatch_positions", "response_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,10 @@ class StepStats(_message.Message):
     LOCKSTEP_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ZERO_ADVANTAGE_GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_MICROBATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     num_rollouts: int
     num_groups: int
@@ -168,10 +172,14 @@ class StepStats(_message.Message):
     lockstep_efficiency: float
     microbatches_per_rank: int
     policy_version: int
-    def __init__(self, step: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_groups: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., real_tokens: _Optional[int] = ..., computed_positions: _Optional[int] = ..., padded_positions: _Optional[int] = ..., rank_imbalance: _Optional[float] = ..., lockstep_efficiency: _Optional[float] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    zero_advantage_groups_dropped: int
+    min_policy_version: int
+    largest_microbatch_positions: int
+    response_bytes: int
+    def __init__(self, step: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_groups: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., real_tokens: _Optional[int] = ..., computed_positions: _Optional[int] = ..., padded_positions: _Optional[int] = ..., rank_imbalance: _Optional[float] = ..., lockstep_efficiency: _Optional[float] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., zero_advantage_groups_dropped: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., largest_microbatch_positions: _Optional[int] = ..., response_bytes: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("rollouts_received", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale", "batches_rejected", "zero_advantage_groups", "zero_advantage_rollouts_dropped", "steps_assembled", "rollouts_trained", "policy_tokens_assembled", "trainer_reports", "tasks_sampled", "revisits_sampled")
+    __slots__ = ("rollouts_received", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale", "batches_rejected", "zero_advantage_groups", "zero_advantage_rollouts_dropped", "steps_assembled", "rollouts_trained", "policy_tokens_assembled", "trainer_reports", "tasks_sampled", "revisits_sampled", "tasks_requested", "rollouts_saved_by_filter")
     ROLLOUTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +193,8 @@ class Counters(_message.Message):
     TRAINER_REPORTS_FIELD_NUMBER: _ClassVar[int]
     TASKS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     REVISITS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_SAVED_BY_FILTER_FIELD_NUMBER: _ClassVar[int]
     rollouts_received: int
     rollouts_accepted: int
     rollouts_duplicate: int
@@ -198,10 +208,12 @@ class Counters(_message.Message):
     trainer_reports: int
     tasks_sampled: int
     revisits_sampled: int
-    def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ...) -> None: ...
+    tasks_requested: int
+    rollouts_saved_by_filter: int
+    def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ..., tasks_requested: _Optional[int] = ..., rollouts_saved_by_filter: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget")
+    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +230,8 @@ class StatusResponse(_message.Message):
     PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: str
     next_step: int
     buffered_rollouts: int
@@ -234,4 +248,6 @@ class StatusResponse(_message.Message):
     prompts_per_step: int
     group_size: int
     token_budget: int
-    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
+    last_reports: _containers.RepeatedCompositeFieldContainer[TrainerReport]
+    open_groups: int
+    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ...) -> None: ...

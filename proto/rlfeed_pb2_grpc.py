@@ -292,6 +292,15 @@ class BatchServingStub:
     Batch serving (trainer ranks)
     ---------------------------------------------------------------------------------------
 
+    How steps are made. A group is complete when group_size rollouts with its group_id have
+    arrived. Step s (0, 1, 2, ...) takes the first prompts_per_step complete groups in order
+    of completion, presents their rollouts in arrival order to rlfeed.sched.assembly, and
+    splits them into token-budgeted microbatches balanced over world_size ranks.
+    Staleness: a group with a rollout more than max_policy_lag versions behind the newest
+    version seen is dropped as a whole (its rollouts counted stale, later ones of that group
+    acknowledged as stale). Zero advantage: a complete group whose rewards are all equal is
+    counted; with drop_zero_advantage it is discarded at completion and does not count
+    towards prompts_per_step (dynamic sampling: steps stay full of informative groups).
     """
 
     def __init__(self, channel):
@@ -317,6 +326,15 @@ class BatchServingServicer:
     Batch serving (trainer ranks)
     ---------------------------------------------------------------------------------------
 
+    How steps are made. A group is complete when group_size rollouts with its group_id have
+    arrived. Step s (0, 1, 2, ...) takes the first prompts_per_step complete groups in order
+    of completion, presents their rollouts in arrival order to rlfeed.sched.assembly, and
+    splits them into token-budgeted microbatches balanced over world_size ranks.
+    Staleness: a group with a rollout more than max_policy_lag versions behind the newest
+    version seen is dropped as a whole (its rollouts counted stale, later ones of that group
+    acknowledged as stale). Zero advantage: a complete group whose rewards are all equal is
+    counted; with drop_zero_advantage it is discarded at completion and does not count
+    towards prompts_per_step (dynamic sampling: steps stay full of informative groups).
     """
 
     def GetBatch(self, request, context):
@@ -365,6 +383,15 @@ class BatchServing:
     Batch serving (trainer ranks)
     ---------------------------------------------------------------------------------------
 
+    How steps are made. A group is complete when group_size rollouts with its group_id have
+    arrived. Step s (0, 1, 2, ...) takes the first prompts_per_step complete groups in order
+    of completion, presents their rollouts in arrival order to rlfeed.sched.assembly, and
+    splits them into token-budgeted microbatches balanced over world_size ranks.
+    Staleness: a group with a rollout more than max_policy_lag versions behind the newest
+    version seen is dropped as a whole (its rollouts counted stale, later ones of that group
+    acknowledged as stale). Zero advantage: a complete group whose rewards are all equal is
+    counted; with drop_zero_advantage it is discarded at completion and does not count
+    towards prompts_per_step (dynamic sampling: steps stay full of informative groups).
     """
 
     @staticmethod
