@@ -1,0 +1,247 @@
+"""The client's one conversion point between wire messages and arrays/tensors.
+
+Producer side: rollouts -> `RolloutBatch.arrow_ipc` (one Arrow IPC stream, the columns the
+`.proto` documents). Trainer side: a served `GetBatchResponse` -> `MicrobatchTensors`,
+torch tensors that alias the Arrow buffers wherever the dtype is what a trainer uses
+(int32 input and target ids, uint8 mask, float32 log-probs and advantages); only
+`position_ids` is widened to int64, because Hugging Face models want int64 there
+(`checkpointed_log_probs` and `nn.Embedding` take int32 ids; `torch.gather` wants
+`target_ids.long()`).
+
+Zero-copy tensors share memory with the received message bytes, so they are read-only in
+spirit: write into a `.clone()`, not into them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from rlfeed.proto import rlfeed_pb2 as pb
+
+INGEST_SCHEMA = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("policy_version", pa.int64()),
+        ("reward", pa.float64()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("action_mask", pa.list_(pa.uint8())),
+        ("sampler_logprobs", pa.list_(pa.float32())),
+    ]
+)
+"""The `RolloutBatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
+
+TOKEN_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
+_TOKEN_DTYPES = {"token_ids": np.int32, "action_mask": np.uint8, "sampler_logprobs": np.float32}
+
+
+@dataclass
+class RolloutColumns:
+    """Rollouts accumulated column by column (what `RolloutWriter` buffers), n rows."""
+
+    rollout_id: list[str]
+    task_id: list[str]
+    group_id: list[str]
+    policy_version: list[int]
+    reward: list[float]
+    token_ids: list[np.ndarray]  # n arrays, int32 [L_i]
+    action_mask: list[np.ndarray]  # n arrays, uint8 [L_i]
+    sampler_logprobs: list[np.ndarray]  # n arrays, float32 [L_i]
+
+    @classmethod
+    def empty(cls) -> RolloutColumns:
+        return cls([], [], [], [], [], [], [], [])
+
+    def __len__(self) -> int:
+        return len(self.rollout_id)
+
+    def append(
+        self,
+        *,
+        rollout_id: str,
+        task_id: str,
+        group_id: str,
+        policy_version: int,
+        reward: float,
+        token_ids: Sequence[int] | np.ndarray,
+        action_mask: Sequence[int] | np.ndarray,
+        sampler_logprobs: Sequence[float] | np.ndarray,
+    ) -> int:
+        """Add one rollout; returns its token payload in bytes. Lengths are checked here so
+        a producer bug is reported at the call that made it, not by the server later."""
+        arrays = {
+            name: np.asarray(value, dtype=_TOKEN_DTYPES[name])
+            for name, value in zip(
+                TOKEN_COLUMNS, (token_ids, action_mask, sampler_logprobs), strict=True
+            )
+        }
+        length = arrays["token_ids"].size
+        for name, array in arrays.items():
+            if array.ndim != 1:
+                raise ValueError(f"rollout {rollout_id!r}: {name} must be 1-D, got {array.shape}")
+            if array.size != length:
+                raise ValueError(
+                    f"rollout {rollout_id!r}: {name} has {array.size} entries but token_ids "
+                    f"has {length}"
+                )
+        self.rollout_id.append(str(rollout_id))
+        self.task_id.append(str(task_id))
+        self.group_id.append(str(group_id))
+        self.policy_version.append(int(policy_version))
+        self.reward.append(float(reward))
+        for name, array in arrays.items():
+            getattr(self, name).append(array)
+        return length * 9  # int32 + uint8 + float32 per token
+
+
+def _list_array(arrays: list[np.ndarray], offsets: np.ndarray, dtype: type) -> pa.ListArray:
+    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
+
+
+def encode_rollouts(rows: RolloutColumns) -> bytes:
+    """Rollouts -> the Arrow IPC stream of a `RolloutBatch` (one record batch).
+
+    Per-token arrays are concatenated once per batch and wrapped as Arrow list columns
+    whose offsets are the batch's cu_seqlens; no per-token Python work.
+    """
+    lengths = np.fromiter((a.size for a in rows.token_ids), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    columns = [
+        pa.array(rows.rollout_id, pa.string()),
+        pa.array(rows.task_id, pa.string()),
+        pa.array(rows.group_id, pa.string()),
+        pa.array(rows.policy_version, pa.int64()),
+        pa.array(rows.reward, pa.float64()),
+        *(_list_array(getattr(rows, n), offsets, _TOKEN_DTYPES[n]) for n in TOKEN_COLUMNS),
+    ]
+    batch = pa.RecordBatch.from_arrays(columns, schema=INGEST_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, INGEST_SCHEMA) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@dataclass(frozen=True)
+class MicrobatchTensors:
+    """One served packed row of T tokens for one rank, as torch tensors.
+
+    Per token [T]: input_ids int32, position_ids int64 (restarting at 0 per sequence),
+    target_ids int32 (0 at sequence ends), loss_mask uint8, sampler_logprobs float32,
+    advantages float32. Per sequence: cu_seqlens int32 [n+1], rollout_ids (n strings).
+    Per step: policy_token_count is the global N over all ranks (the constant loss
+    normalizer), microbatches_per_rank the same on every rank.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    target_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rollout_ids: tuple[str, ...]
+    policy_token_count: int
+    microbatches_per_rank: int
+    policy_version: int
+    step: int
+    index: int  # position of this microbatch in the rank's step, 0-based
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def policy_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+MICROBATCH_COLUMNS = {
+    "input_ids": pa.int32(),
+    "position_ids": pa.int32(),
+    "target_ids": pa.int32(),
+    "loss_mask": pa.uint8(),
+    "sampler_logprobs": pa.float32(),
+    "advantages": pa.float32(),
+}
+"""The served `Microbatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
+_TORCH_DTYPES = {
+    "input_ids": torch.int32,
+    "position_ids": torch.int32,
+    "target_ids": torch.int32,
+    "loss_mask": torch.uint8,
+    "sampler_logprobs": torch.float32,
+    "advantages": torch.float32,
+}
+
+
+def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor]:
+    """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column)."""
+    if num_tokens == 0 and not arrow_ipc:
+        return {name: torch.zeros(0, dtype=_TORCH_DTYPES[name]) for name in MICROBATCH_COLUMNS}
+    table = pa.ipc.open_stream(arrow_ipc).read_all()
+    out = {}
+    for name, dtype in MICROBATCH_COLUMNS.items():
+        if name not in table.column_names:
+            raise ValueError(f"served microbatch lacks column {name!r}")
+        column = table.column(name)
+        if column.type != dtype:
+            raise ValueError(f"served column {name!r} is {column.type}, expected {dtype}")
+        chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        if len(chunk) != num_tokens:
+            raise ValueError(f"served column {name!r} has {len(chunk)} rows, expected {num_tokens}")
+        array = chunk.to_numpy(zero_copy_only=True)
+        with warnings.catch_warnings():
+            # The array views immutable message bytes; torch warns about that on every call.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out[name] = torch.from_numpy(array)
+    return out
+
+
+def decode_step(response: pb.GetBatchResponse) -> list[MicrobatchTensors]:
+    """A ready `GetBatchResponse` -> this rank's microbatches, in order."""
+    if not response.ready:
+        raise ValueError(f"step {response.step} is not ready; nothing to decode")
+    if len(response.microbatches) != response.microbatches_per_rank:
+        raise ValueError(
+            f"step {response.step} rank {response.rank}: {len(response.microbatches)} "
+            f"microbatches served, microbatches_per_rank says {response.microbatches_per_rank}"
+        )
+    out = []
+    for index, message in enumerate(response.microbatches):
+        columns = _column_tensors(message.arrow_ipc, message.num_tokens)
+        cu_seqlens = torch.tensor(np.asarray(message.cu_seqlens, dtype=np.int32))
+        if cu_seqlens.numel() == 0:
+            cu_seqlens = torch.zeros(1, dtype=torch.int32)
+        if int(cu_seqlens[-1]) != message.num_tokens:
+            raise ValueError(
+                f"step {response.step} microbatch {index}: cu_seqlens ends at "
+                f"{int(cu_seqlens[-1])}, num_tokens is {message.num_tokens}"
+            )
+        out.append(
+            MicrobatchTensors(
+                input_ids=columns["input_ids"],
+                position_ids=columns["position_ids"].to(torch.int64),
+                cu_seqlens=cu_seqlens,
+                max_seqlen=int(message.max_seqlen),
+                target_ids=columns["target_ids"],
+                loss_mask=columns["loss_mask"],
+                sampler_logprobs=columns["sampler_logprobs"],
+                advantages=columns["advantages"],
+                rollout_ids=tuple(message.rollout_ids),
+                policy_token_count=int(response.policy_token_count),
+                microbatches_per_rank=int(response.microbatches_per_rank),
+                policy_version=int(response.policy_version),
+                step=int(response.step),
+                index=index,
+            )
+        )
+    return out

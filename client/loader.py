@@ -1,0 +1,277 @@
+"""Trainer side: `BatchLoader` iterates training steps and yields this rank's microbatches.
+
+    loader = BatchLoader("sidecar:50051")          # rank / world size from torchrun's env
+    for step in loader:                            # step 0, 1, 2, ...
+        for mb in step:                            # microbatches_per_rank, same on all ranks
+            ...                                    # mb.input_ids, mb.cu_seqlens, ...
+        checkpoint(model, loader.state_dict())     # resume here after a restart
+
+A step is fetched with `GetBatch(step, rank)` and decoded once (`arrow_codec.decode_step`:
+tensors alias the Arrow buffers). While the trainer works on step s, a background thread
+fetches steps s+1 .. s+prefetch; it starts at the first `iter()`, never at import or
+construction, and `close()` (or leaving the `with` block) stops it.
+
+Resuming: `state_dict()` holds the next step to yield; a loader given that state by
+`load_state_dict()` yields the same step next, and the sidecar answers a re-fetch of a
+(step, rank) with byte-identical content, so a restarted trainer sees the tensors it would
+have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rlfeed.client.arrow_codec import MicrobatchTensors, decode_step
+from rlfeed.client.transport import Transport, connect
+from rlfeed.proto import rlfeed_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """One rank's share of a training step: iterate it for its microbatches, in order."""
+
+    step: int
+    rank: int
+    world_size: int
+    policy_token_count: int  # global N over all ranks: the constant loss normalizer
+    microbatches_per_rank: int
+    policy_version: int  # newest policy version among the step's rollouts
+    min_policy_version: int  # oldest
+    num_rollouts: int  # rollouts in the step over all ranks
+    microbatches: tuple[MicrobatchTensors, ...]
+
+    def __iter__(self) -> Iterator[MicrobatchTensors]:
+        return iter(self.microbatches)
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def __getitem__(self, index: int) -> MicrobatchTensors:
+        return self.microbatches[index]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens (positions) this rank computes in the step."""
+        return sum(mb.num_tokens for mb in self.microbatches)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class BatchLoader:
+    """Iterates steps `start_step, start_step + 1, ...` (up to `stop_step`, exclusive).
+
+    address_or_transport: "host:port" of a sidecar, or a `Transport`.
+    rank, world_size: default to torchrun's RANK / WORLD_SIZE (0 / 1 when unset); checked
+      against the sidecar's world size at the first fetch.
+    prefetch: steps fetched ahead in the background (0 = fetch on demand, no thread).
+    timeout_s: longest wait for one step to be assembled before TimeoutError.
+    poll_s: longest single server-side wait; bounds how long `close()` takes.
+    """
+
+    def __init__(
+        self,
+        address_or_transport: str | Transport,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        start_step: int = 0,
+        stop_step: int | None = None,
+        prefetch: int = 1,
+        timeout_s: float = 600.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.rank = _env_int("RANK", 0) if rank is None else int(rank)
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self._transport, self._owns_transport = connect(address_or_transport)
+        self.prefetch = prefetch
+        self.stop_step = stop_step
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._next_step = start_step
+        self._prefetcher: _Prefetcher | None = None
+
+    # -- iteration ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[TrainStep]:
+        self._stop_prefetcher()
+        while self.stop_step is None or self._next_step < self.stop_step:
+            if self.prefetch and self._prefetcher is None:
+                # (Re)started here, so load_state_dict() mid-iteration simply moves on.
+                self._prefetcher = _Prefetcher(self, self._next_step, self.prefetch)
+            prefetcher = self._prefetcher
+            step = prefetcher.take() if prefetcher is not None else self.fetch(self._next_step)
+            self._next_step = step.step + 1
+            yield step
+        self._stop_prefetcher()
+
+    def fetch(self, step: int) -> TrainStep:
+        """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
+            response = self._transport.get_batch(step, self.rank, wait)
+            if response.ready:
+                return self._decode(response, step)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"step {step} rank {self.rank}: not assembled after {self.timeout_s} s"
+                )
+            if self._prefetcher is not None and self._prefetcher.stopping:
+                raise _Stopped
+
+    def _decode(self, response: pb.GetBatchResponse, step: int) -> TrainStep:
+        if response.world_size != self.world_size:
+            raise ValueError(
+                f"this loader has world_size={self.world_size} but the sidecar serves "
+                f"world_size={response.world_size} (set WORLD_SIZE or [batching] world_size)"
+            )
+        if response.step != step or response.rank != self.rank:
+            raise ValueError(
+                f"asked for step {step} rank {self.rank}, got step {response.step} "
+                f"rank {response.rank}"
+            )
+        return TrainStep(
+            step=int(response.step),
+            rank=int(response.rank),
+            world_size=int(response.world_size),
+            policy_token_count=int(response.policy_token_count),
+            microbatches_per_rank=int(response.microbatches_per_rank),
+            policy_version=int(response.policy_version),
+            min_policy_version=int(response.min_policy_version),
+            num_rollouts=int(response.num_rollouts),
+            microbatches=tuple(decode_step(response)),
+        )
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"next_step": the step the next iteration yields, "rank", "world_size"}."""
+        return {"next_step": self._next_step, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state["next_step"]`; the rank may differ (elastic restarts), the world
+        size may not (the sidecar cuts steps for one world size)."""
+        if int(state.get("world_size", self.world_size)) != self.world_size:
+            raise ValueError(
+                f"state was saved with world_size={state['world_size']}, "
+                f"this loader has {self.world_size}"
+            )
+        next_step = int(state["next_step"])
+        if next_step < 0:
+            raise ValueError(f"next_step must be >= 0, got {next_step}")
+        self._stop_prefetcher()
+        self._next_step = next_step
+
+    # -- metrics and lifetime -------------------------------------------------------------
+
+    def report(
+        self,
+        step: int,
+        *,
+        loss: float,
+        ratio_outlier_share: float = float("nan"),
+        tokens_per_second: float = 0.0,
+        step_seconds: float = 0.0,
+    ) -> None:
+        """Send what this rank measured for `step` to the sidecar (becomes metrics)."""
+        self._transport.report(
+            pb.TrainerReport(
+                step=step,
+                rank=self.rank,
+                loss=float(loss),
+                ratio_outlier_share=float(ratio_outlier_share),
+                tokens_per_second=float(tokens_per_second),
+                step_seconds=float(step_seconds),
+            )
+        )
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close an owned channel. Idempotent."""
+        self._stop_prefetcher()
+        if self._owns_transport:
+            self._transport.close()
+            self._owns_transport = False
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _stop_prefetcher(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+
+
+class _Stopped(Exception):
+    """Raised inside the prefetch thread to abandon a wait when the loader stops it."""
+
+
+class _Prefetcher:
+    """A thread fetching steps first_step, first_step + 1, ... at most `depth` ahead of
+    what the consumer has taken."""
+
+    def __init__(self, loader: BatchLoader, first_step: int, depth: int) -> None:
+        self._loader = loader
+        self._next = first_step
+        self._slots = threading.Semaphore(depth)
+        self._ready: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlfeed-batch-prefetch", daemon=True)
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while True:
+            self._slots.acquire()
+            if self._stop.is_set() or (
+                self._loader.stop_step is not None and self._next >= self._loader.stop_step
+            ):
+                return
+            try:
+                item: Any = self._loader.fetch(self._next)
+            except _Stopped:
+                return
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                self._ready.put(exc)
+                return
+            self._ready.put(item)
+            self._next += 1
+
+    def take(self) -> TrainStep:
+        item = self._ready.get()
+        self._slots.release()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._slots.release()  # wake a thread waiting for a slot
+        self._thread.join()

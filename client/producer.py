@@ -1,0 +1,276 @@
+"""Inference side: `RolloutWriter` buffers finished rollouts and ships them as Arrow batches.
+
+    with RolloutWriter("sidecar:50051") as writer:
+        for task_id in writer.sample_tasks(8):
+            for k, episode in enumerate(run_group(task_id)):
+                writer.write(rollout_id=f"{task_id}/{k}", task_id=task_id, ...)
+
+`write()` only appends to column lists; every `max_batch_rollouts` rollouts become one
+`RolloutBatch` that a background sender thread encodes (`arrow_codec.encode_rollouts`) and
+submits, so generation and network overlap. The writer holds at most
+`max_buffered_rollouts` rollouts that the sidecar has not acknowledged (pending + queued +
+in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch with
+backoff; the writer's buffer then fills, and `write()` blocks (`on_full="block"`) or raises
+`BufferFullError` (`on_full="raise"`): backpressure reaches the producer instead of memory
+growing without bound.
+
+A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
+it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,
+is raised by the next `write()`, `flush()` or `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
+from rlfeed.client.transport import (
+    BufferFullError,
+    InvalidRolloutsError,
+    SidecarError,
+    Transport,
+    connect,
+)
+from rlfeed.proto import rlfeed_pb2 as pb
+
+
+class RolloutWriter:
+    """Buffered, backpressured rollout submission to one sidecar.
+
+    address_or_transport: "host:port" of a sidecar, or a `Transport` (e.g. in-process).
+    max_batch_rollouts: rollouts per submitted Arrow batch.
+    max_batch_bytes: also seal a batch once its token payload reaches this many bytes.
+    max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
+    on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
+      "raise" raises BufferFullError at once.
+    retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
+    """
+
+    def __init__(
+        self,
+        address_or_transport: str | Transport,
+        *,
+        max_batch_rollouts: int = 256,
+        max_batch_bytes: int = 32 << 20,
+        max_buffered_rollouts: int = 4096,
+        on_full: Literal["block", "raise"] = "block",
+        block_timeout_s: float | None = None,
+        retry_backoff_s: float = 0.01,
+    ) -> None:
+        if max_batch_rollouts < 1:
+            raise ValueError(f"max_batch_rollouts must be >= 1, got {max_batch_rollouts}")
+        if max_buffered_rollouts < max_batch_rollouts:
+            raise ValueError(
+                f"max_buffered_rollouts ({max_buffered_rollouts}) must be >= "
+                f"max_batch_rollouts ({max_batch_rollouts})"
+            )
+        if on_full not in ("block", "raise"):
+            raise ValueError(f"on_full must be 'block' or 'raise', got {on_full!r}")
+        self._transport, self._owns_transport = connect(address_or_transport)
+        self.max_batch_rollouts = max_batch_rollouts
+        self.max_batch_bytes = max_batch_bytes
+        self.max_buffered_rollouts = max_buffered_rollouts
+        self.on_full = on_full
+        self.block_timeout_s = block_timeout_s
+        self.retry_backoff_s = retry_backoff_s
+
+        self._pending = RolloutColumns.empty()
+        self._pending_bytes = 0
+        self._queue: deque[RolloutColumns] = deque()
+        self._unacked = 0  # pending + queued + in flight
+        self._in_flight = False
+        self._sequence = 0
+        self._acks: list[pb.SubmitAck] = []
+        self._error: Exception | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._sender: threading.Thread | None = None
+
+    # -- producer API -------------------------------------------------------------------
+
+    def write(
+        self,
+        *,
+        rollout_id: str,
+        task_id: str,
+        group_id: str,
+        policy_version: int,
+        reward: float,
+        token_ids: Sequence[int] | np.ndarray,
+        action_mask: Sequence[int] | np.ndarray,
+        sampler_logprobs: Sequence[float] | np.ndarray,
+    ) -> None:
+        """Buffer one rollout (token_ids int32 [L], action_mask 0/1 [L] with mask[0] = 0,
+        sampler_logprobs float32 [L]); sends a batch once `max_batch_rollouts` are pending."""
+        with self._cond:
+            self._raise_pending_error()
+            self._check_open()
+            self._wait_for_room()
+            self._pending_bytes += self._pending.append(
+                rollout_id=rollout_id,
+                task_id=task_id,
+                group_id=group_id,
+                policy_version=policy_version,
+                reward=reward,
+                token_ids=token_ids,
+                action_mask=action_mask,
+                sampler_logprobs=sampler_logprobs,
+            )
+            self._unacked += 1
+            if (
+                len(self._pending) >= self.max_batch_rollouts
+                or self._pending_bytes >= self.max_batch_bytes
+            ):
+                self._seal()
+
+    def flush(self, timeout_s: float | None = None) -> list[pb.SubmitAck]:
+        """Send everything buffered and wait for the acks; returns the acks received since
+        the previous `flush()` (one per batch, in order). Raises a pending server error."""
+        with self._cond:
+            self._check_open()
+            if len(self._pending):
+                self._seal()
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while (self._queue or self._in_flight) and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"flush: {self._unacked} rollouts still unacknowledged")
+                self._cond.wait(remaining)
+            self._raise_pending_error()
+            acks, self._acks = self._acks, []
+            return acks
+
+    def close(self) -> None:
+        """Flush, stop the sender thread, close an owned channel. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._error is None:
+                self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            if self._sender is not None:
+                self._sender.join()
+            if self._owns_transport:
+                self._transport.close()
+        self._raise_pending_error()
+
+    def __enter__(self) -> RolloutWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Already failing: do not mask the original error with a flush error.
+        with contextlib.suppress(SidecarError):
+            self.close()
+
+    @property
+    def unacknowledged(self) -> int:
+        """Rollouts written but not yet acknowledged by the sidecar."""
+        return self._unacked
+
+    # -- tasks ----------------------------------------------------------------------------
+
+    def register_tasks(self, task_ids: Sequence[str]) -> int:
+        """Add tasks to the sidecar's pool (known ids are ignored); returns how many were new."""
+        return int(self._transport.register_tasks([str(t) for t in task_ids]).added)
+
+    def sample_tasks(self, n: int) -> list[str]:
+        """The next tasks to run, per the sidecar's curriculum; may be fewer than n."""
+        return list(self._transport.sample_tasks(int(n)).task_ids)
+
+    # -- internals (hold self._cond) --------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RolloutWriter is closed")
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _wait_for_room(self) -> None:
+        if self._unacked < self.max_buffered_rollouts:
+            return
+        if self.on_full == "raise":
+            raise BufferFullError(
+                f"RolloutWriter holds {self._unacked} unacknowledged rollouts "
+                f"(max_buffered_rollouts={self.max_buffered_rollouts})"
+            )
+        if len(self._pending):
+            self._seal()  # a full buffer of pending rollouts can only drain if sent
+        deadline = None if self.block_timeout_s is None else time.monotonic() + self.block_timeout_s
+        while self._unacked >= self.max_buffered_rollouts and self._error is None:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise BufferFullError(
+                    f"RolloutWriter: no room after {self.block_timeout_s} s "
+                    f"({self._unacked} unacknowledged rollouts)"
+                )
+            self._cond.wait(remaining)
+        self._raise_pending_error()
+
+    def _seal(self) -> None:
+        self._queue.append(self._pending)
+        self._pending = RolloutColumns.empty()
+        self._pending_bytes = 0
+        if self._sender is None:
+            self._sender = threading.Thread(
+                target=self._send_loop, name="rlfeed-rollout-writer", daemon=True
+            )
+            self._sender.start()
+        self._cond.notify_all()
+
+    # -- sender thread --------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                rows = self._queue[0]
+                self._in_flight = True
+                sequence = self._sequence
+            try:
+                ack, error = self._submit_with_retry(rows, sequence)
+            except Exception as exc:  # surfaced to the producer, never lost in this thread
+                ack, error = None, exc
+            with self._cond:
+                self._queue.popleft()
+                self._in_flight = False
+                self._unacked -= len(rows)
+                if ack is not None:
+                    self._sequence += 1
+                    self._acks.append(ack)
+                if error is not None and self._error is None:
+                    self._error = error
+                self._cond.notify_all()
+
+    def _submit_with_retry(
+        self, rows: RolloutColumns, sequence: int
+    ) -> tuple[pb.SubmitAck | None, Exception | None]:
+        batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
+        backoff = self.retry_backoff_s
+        while True:
+            try:
+                return self._transport.submit(batch), None
+            except InvalidRolloutsError as exc:
+                return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
+            except BufferFullError:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except SidecarError as exc:
+                return None, exc

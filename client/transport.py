@@ -1,0 +1,150 @@
+"""How the client library talks to a sidecar: a five-call interface, over gRPC or in-process.
+
+`Transport` is what `RolloutWriter` and `BatchLoader` use; it speaks the `.proto` messages
+(`rlfeed.v1`), so the wire contract stays the one definition of every field. `GrpcTransport`
+calls a running sidecar; `InProcessTransport` (in `rlfeed.client.fake`) runs the
+scheduler in the calling process, so client and trainer code is testable without a server.
+
+Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT, with
+its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
+(NOT_FOUND: the step is no longer retained), `SidecarError` for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from rlfeed.proto import rlfeed_pb2 as pb
+
+
+class SidecarError(RuntimeError):
+    """A call to the sidecar failed; `code` is the gRPC status name (e.g. 'UNAVAILABLE')."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidRolloutsError(SidecarError, ValueError):
+    """The sidecar rejected a rollout batch as a whole (INVALID_ARGUMENT); `message` names
+    the rollout id and the field, `rollout_ids` lists the batch that was dropped."""
+
+    def __init__(self, message: str, rollout_ids: tuple[str, ...] = ()) -> None:
+        super().__init__("INVALID_ARGUMENT", message)
+        self.rollout_ids = rollout_ids
+
+
+class BufferFullError(SidecarError):
+    """No room for more rollouts (the sidecar's buffer or the writer's own bound)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("RESOURCE_EXHAUSTED", message)
+
+
+class StepReleasedError(SidecarError, LookupError):
+    """The asked-for step is no longer retained by the sidecar (NOT_FOUND)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("NOT_FOUND", message)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """The calls the client library makes. Every method may raise a `SidecarError`."""
+
+    def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck: ...
+
+    def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse: ...
+
+    def sample_tasks(self, n: int) -> pb.SampleTasksResponse: ...
+
+    def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
+        """Rank's microbatches of `step`; waits up to `wait_s` for assembly, then answers
+        with `ready = False`."""
+        ...
+
+    def report(self, report: pb.TrainerReport) -> None: ...
+
+    def status(self) -> pb.StatusResponse: ...
+
+    def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """`Transport` over a gRPC channel to `address` ("host:port").
+
+    Message size limits are lifted on the client side (a step of long rollouts is tens of
+    MiB); the server's own limit is its `[server] max_message_bytes`.
+    """
+
+    def __init__(self, address: str, *, call_timeout_s: float = 60.0) -> None:
+        import grpc
+        from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+
+        self.address = address
+        self._grpc = grpc
+        self._call_timeout_s = call_timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_send_message_length", -1),
+                ("grpc.max_receive_message_length", -1),
+            ],
+        )
+        self._ingest = pb_grpc.RolloutIngestStub(self._channel)
+        self._tasks = pb_grpc.TaskSamplingStub(self._channel)
+        self._batches = pb_grpc.BatchServingStub(self._channel)
+        self._status = pb_grpc.SidecarStatusStub(self._channel)
+
+    def _call(self, method, request, timeout_s: float | None = None, rollout_ids=()):
+        try:
+            return method(request, timeout=timeout_s or self._call_timeout_s)
+        except self._grpc.RpcError as exc:
+            raise _sidecar_error(exc, rollout_ids) from None
+
+    def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
+        return self._call(self._ingest.SubmitRolloutBatch, batch)
+
+    def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
+        return self._call(self._tasks.RegisterTasks, pb.RegisterTasksRequest(task_ids=task_ids))
+
+    def sample_tasks(self, n: int) -> pb.SampleTasksResponse:
+        return self._call(self._tasks.SampleTasks, pb.SampleTasksRequest(n=n))
+
+    def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
+        request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
+        return self._call(self._batches.GetBatch, request, timeout_s=wait_s + self._call_timeout_s)
+
+    def report(self, report: pb.TrainerReport) -> None:
+        self._call(self._batches.ReportTrainerMetrics, report)
+
+    def status(self) -> pb.StatusResponse:
+        return self._call(self._status.GetStatus, pb.GetStatusRequest())
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _sidecar_error(exc, rollout_ids=()) -> SidecarError:
+    code = exc.code().name if exc.code() is not None else "UNKNOWN"
+    message = exc.details() or str(exc)
+    if code == "INVALID_ARGUMENT":
+        return InvalidRolloutsError(message, tuple(rollout_ids))
+    if code == "RESOURCE_EXHAUSTED":
+        return BufferFullError(message)
+    if code == "NOT_FOUND":
+        return StepReleasedError(message)
+    return SidecarError(code, message)
+
+
+def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
+    """(transport, owned): a `GrpcTransport` for an address string (owned: close it after
+    use), or the given transport as is (not owned)."""
+    if isinstance(address_or_transport, str):
+        return GrpcTransport(address_or_transport), True
+    if not isinstance(address_or_transport, Transport):
+        raise TypeError(
+            f"expected 'host:port' or a Transport, got {type(address_or_transport).__name__}"
+        )
+    return address_or_transport, False
