@@ -48,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # `rlfeed plan --json | head` closed our stdout: not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
