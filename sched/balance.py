@@ -74,12 +74,17 @@ def _check_attention_weight(attention_weight: float) -> None:
 def _segment_costs(
     member_lengths: np.ndarray, offsets: np.ndarray, attention_weight: float, cost: CostModel
 ) -> np.ndarray:
-    """Costs of microbatches given flattened member lengths and [K + 1] offsets."""
-    member_lengths = member_lengths.astype(np.float64)
+    """Costs of microbatches given flattened member lengths and [K + 1] offsets.
+
+    Both terms are summed exactly in int64 and combined once in float64, so microbatches
+    with the same lengths have bit-identical costs and ties break by index, not by rounding.
+    """
     if cost == "padded":
         longest = segment_max(member_lengths, offsets)
-        return np.diff(offsets) * (longest + attention_weight * longest**2)
-    return segment_sum(member_lengths + attention_weight * member_lengths**2, offsets)
+        positions = np.diff(offsets) * longest
+        return positions + attention_weight * (positions * longest).astype(np.float64)
+    tokens = segment_sum(member_lengths, offsets)
+    return tokens + attention_weight * segment_sum(member_lengths**2, offsets).astype(np.float64)
 
 
 def microbatch_cost(
@@ -92,7 +97,8 @@ def microbatch_cost(
     """[K] float64 cost per microbatch: tokens + attention_weight x sum(L^2).
 
     With cost="padded" the microbatch is padded to its longest member, so the terms become
-    count x max(L) and count x max(L)^2. Empty microbatches cost 0.
+    count x max(L) and count x max(L)^2. Empty microbatches cost 0. Sums are exact in
+    int64 (fine while sum(L^2) < 9.2e18, i.e. any realistic token budget).
     """
     _check_attention_weight(attention_weight)
     check_cost_model(cost)
