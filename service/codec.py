@@ -1,0 +1,283 @@
+"""Server-side wire <-> array conversion: the one place Arrow and protobuf meet numpy.
+
+Ingest: `RolloutBatch.arrow_ipc` (the Arrow IPC stream documented in `proto/rlfeed.proto`)
+-> `RolloutBatchArrays`: per-rollout metadata arrays plus flat per-token columns. The flat
+columns alias the Arrow buffers (zero-copy) when the producer sent the documented dtypes;
+other integer/float widths are cast once, safely (an overflowing cast is an error).
+
+Serving: `sched.assembly.Microbatch` -> `rlfeed.v1.Microbatch` (one Arrow IPC stream per
+microbatch) and a rank's microbatches -> serialized `GetBatchResponse` bytes, produced once
+per (step, rank) and served as-is so that re-fetches are byte-identical.
+
+Contract checks that need more than decoding (lengths per rollout, NaN, ranges, ...) live
+in `rlfeed.service.validation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.sched.assembly import Microbatch, TokenColumns
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("policy_version", pa.int64()),
+        ("reward", pa.float64()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("action_mask", pa.list_(pa.uint8())),
+        ("sampler_logprobs", pa.list_(pa.float32())),
+    ]
+)
+"""The documented columns of `RolloutBatch.arrow_ipc` (string/list may also be large_*)."""
+
+MICROBATCH_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.int32()),
+        ("position_ids", pa.int32()),
+        ("target_ids", pa.int32()),
+        ("loss_mask", pa.uint8()),
+        ("sampler_logprobs", pa.float32()),
+        ("advantages", pa.float32()),
+    ]
+)
+"""The columns of `Microbatch.arrow_ipc`, one row per token."""
+
+_LIST_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
+
+
+@dataclass(frozen=True)
+class RolloutBatchArrays:
+    """One decoded rollout batch, n rollouts.
+
+    Per rollout: rollout_ids / task_ids / group_ids (lists of n str), policy_versions int64
+    [n], rewards float64 [n]. Per token: token_ids int32, action_mask uint8,
+    sampler_logprobs float32, each flat with its own offsets int64 [n+1] starting at 0.
+    `validation.validate_rollout_batch` checks the three offsets agree; after that,
+    `columns` is the batch's TokenColumns (offsets = the batch's cu_seqlens).
+    """
+
+    rollout_ids: list[str]
+    task_ids: list[str]
+    group_ids: list[str]
+    policy_versions: np.ndarray
+    rewards: np.ndarray
+    token_ids: np.ndarray
+    action_mask: np.ndarray
+    sampler_logprobs: np.ndarray
+    offsets: np.ndarray
+    mask_offsets: np.ndarray
+    logprob_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rollout_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [n] tokens per rollout."""
+        return np.diff(self.offsets)
+
+    @property
+    def columns(self) -> TokenColumns:
+        return TokenColumns(
+            offsets=self.offsets,
+            token_ids=self.token_ids,
+            action_mask=self.action_mask,
+            sampler_logprobs=self.sampler_logprobs,
+        )
+
+    @property
+    def policy_tokens(self) -> np.ndarray:
+        """int64 [n] action-mask tokens per rollout (vectorized segment sums)."""
+        cumulative = np.concatenate(([0], np.cumsum(self.action_mask, dtype=np.int64)))
+        return cumulative[self.offsets[1:]] - cumulative[self.offsets[:-1]]
+
+    @property
+    def token_bytes(self) -> int:
+        return int(self.token_ids.nbytes + self.action_mask.nbytes + self.sampler_logprobs.nbytes)
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    if name not in table.column_names:
+        raise ValueError(
+            f"arrow_ipc: missing column {name!r} (have {table.column_names}); "
+            "see RolloutBatch in rlfeed.proto"
+        )
+    column = table.column(name)
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return array
+
+
+def _first_null_row(array: pa.Array) -> int:
+    return int(np.flatnonzero(np.asarray(array.is_null()))[0])
+
+
+def _strings(table: pa.Table, name: str, ids: list[str] | None) -> list[str]:
+    array = _column(table, name)
+    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+        raise ValueError(f"arrow_ipc: column {name!r} must be string, got {array.type}")
+    if array.null_count:
+        row = _first_null_row(array)
+        who = f"rollout {ids[row]!r}" if ids else f"row {row}"
+        raise ValueError(f"{who}: field {name} is null")
+    return array.to_pylist()
+
+
+def _scalars(table: pa.Table, name: str, ids: list[str], dtype: type, kind: str) -> np.ndarray:
+    array = _column(table, name)
+    accepts = pa.types.is_integer if kind == "integer" else pa.types.is_floating
+    if not accepts(array.type):
+        raise ValueError(f"arrow_ipc: column {name!r} must be {kind}, got {array.type}")
+    if array.null_count:
+        raise ValueError(f"rollout {ids[_first_null_row(array)]!r}: field {name} is null")
+    return array.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _list(
+    table: pa.Table, name: str, ids: list[str], arrow_type: pa.DataType
+) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values of `arrow_type`, offsets int64 [n+1] from 0) of a list<...> column."""
+    array = _column(table, name)
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise ValueError(f"arrow_ipc: column {name!r} must be list<{arrow_type}>, got {array.type}")
+    if array.null_count:
+        raise ValueError(f"rollout {ids[_first_null_row(array)]!r}: field {name} is null")
+    offsets = array.offsets.to_numpy().astype(np.int64, copy=False)
+    # A sliced list array shares a larger values buffer; keep only this batch's range.
+    values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count:
+        position = _first_null_row(values) + int(offsets[0])
+        row = int(np.searchsorted(offsets, position, side="right") - 1)
+        raise ValueError(f"rollout {ids[row]!r}: field {name} has a null entry")
+    if values.type != arrow_type:
+        try:
+            values = values.cast(arrow_type)  # safe cast: overflow raises
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise ValueError(
+                f"arrow_ipc: column {name!r} values must be {arrow_type}, got {values.type} ({exc})"
+            ) from exc
+    flat = values.to_numpy(zero_copy_only=False)
+    return flat, offsets - offsets[0]
+
+
+def decode_rollout_batch(payload: bytes) -> RolloutBatchArrays:
+    """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed payload,
+    a missing column, a wrong type or a null."""
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        table = reader.read_all()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
+        raise ValueError(f"arrow_ipc: not a readable Arrow IPC stream ({exc})") from exc
+    rollout_ids = _strings(table, "rollout_id", None)
+    token_ids, offsets = _list(table, "token_ids", rollout_ids, pa.int32())
+    action_mask, mask_offsets = _list(table, "action_mask", rollout_ids, pa.uint8())
+    logprobs, logprob_offsets = _list(table, "sampler_logprobs", rollout_ids, pa.float32())
+    return RolloutBatchArrays(
+        rollout_ids=rollout_ids,
+        task_ids=_strings(table, "task_id", rollout_ids),
+        group_ids=_strings(table, "group_id", rollout_ids),
+        policy_versions=_scalars(table, "policy_version", rollout_ids, np.int64, "integer"),
+        rewards=_scalars(table, "reward", rollout_ids, np.float64, "float"),
+        token_ids=token_ids,
+        action_mask=action_mask,
+        sampler_logprobs=logprobs,
+        offsets=offsets,
+        mask_offsets=mask_offsets,
+        logprob_offsets=logprob_offsets,
+    )
+
+
+def encode_rollout_batch(
+    *,
+    rollout_ids: Sequence[str],
+    task_ids: Sequence[str],
+    group_ids: Sequence[str],
+    policy_versions: Sequence[int],
+    rewards: Sequence[float],
+    token_ids: Sequence[np.ndarray],
+    action_mask: Sequence[np.ndarray],
+    sampler_logprobs: Sequence[np.ndarray],
+) -> bytes:
+    """Per-rollout arrays -> Arrow IPC stream bytes in ROLLOUT_SCHEMA (tests and tools).
+
+    Each list column gets its own offsets, so a length mismatch is representable (and is
+    then rejected by validation, which is what the tests want to exercise).
+    """
+
+    def list_array(arrays: Sequence[np.ndarray], dtype: type) -> pa.ListArray:
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        values = (
+            np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
+            if len(arrays)
+            else np.zeros(0, dtype)
+        )
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.array(list(rollout_ids), pa.string()),
+            pa.array(list(task_ids), pa.string()),
+            pa.array(list(group_ids), pa.string()),
+            pa.array(np.asarray(policy_versions, dtype=np.int64)),
+            pa.array(np.asarray(rewards, dtype=np.float64)),
+            list_array(token_ids, np.int32),
+            list_array(action_mask, np.uint8),
+            list_array(sampler_logprobs, np.float32),
+        ],
+        schema=ROLLOUT_SCHEMA,
+    )
+    return _ipc_bytes(batch)
+
+
+def _ipc_bytes(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def encode_microbatch(microbatch: Microbatch, rollout_ids: Sequence[str]) -> pb.Microbatch:
+    """A materialized microbatch -> its wire message; rollout_ids[i] names sequence i."""
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.array(microbatch.input_ids.astype(np.int32, copy=False)),
+            pa.array(microbatch.position_ids.astype(np.int32, copy=False)),
+            pa.array(microbatch.target_ids.astype(np.int32, copy=False)),
+            pa.array(microbatch.loss_mask.astype(np.uint8, copy=False)),
+            pa.array(microbatch.sampler_logprobs.astype(np.float32, copy=False)),
+            pa.array(microbatch.advantages.astype(np.float32, copy=False)),
+        ],
+        schema=MICROBATCH_SCHEMA,
+    )
+    return pb.Microbatch(
+        arrow_ipc=_ipc_bytes(batch),
+        cu_seqlens=microbatch.cu_seqlens.tolist(),
+        max_seqlen=int(microbatch.max_seqlen),
+        rollout_ids=list(rollout_ids),
+        num_tokens=microbatch.num_tokens,
+        policy_tokens=int(microbatch.loss_mask.sum(dtype=np.int64)),
+    )
+
+
+def decode_microbatch(message: pb.Microbatch) -> dict[str, np.ndarray]:
+    """Wire microbatch -> numpy arrays (the MICROBATCH_SCHEMA columns plus cu_seqlens int32).
+
+    The per-token arrays alias the message's bytes (read-only views)."""
+    table = pa.ipc.open_stream(pa.py_buffer(message.arrow_ipc)).read_all()
+    arrays = {
+        name: (
+            table.column(name).chunk(0).to_numpy()
+            if table.num_rows and table.column(name).num_chunks == 1
+            else table.column(name).to_numpy()
+        )
+        for name in MICROBATCH_SCHEMA.names
+    }
+    arrays["cu_seqlens"] = np.asarray(message.cu_seqlens, dtype=np.int32)
+    return arrays

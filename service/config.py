@@ -1,0 +1,322 @@
+"""The sidecar's configuration: a TOML file mapped onto frozen dataclasses.
+
+One section per concern (`[server]`, `[ray]`, `[batching]`, `[rollouts]`, `[advantages]`,
+`[curriculum]`, `[accounting]`); every field carries its meaning, unit and default in its
+`doc` metadata, which is also what `dump_config(..., with_docs=True)` prints (the shipped
+`deploy/rlfeed.example.toml` is exactly that output). Unknown keys, at any level, are an
+error naming the key and its section; values are type-checked (an int where a float is
+expected is fine, a bool where an int is expected is not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A field with a default and its documentation (meaning, unit)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def _require(condition: bool, section: str, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"[{section}] {name}: {message}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerConfig:
+    """Where the gRPC front-end listens and how much it accepts."""
+
+    host: str = _f("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
+    port: int = _f(50051, "gRPC port; 0 picks a free port (printed at start-up)")
+    metrics_port: int = _f(0, "Prometheus /metrics port; 0 = no metrics endpoint")
+    max_message_bytes: int = _f(
+        512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
+    )
+    max_workers: int = _f(16, "gRPC handler threads (concurrent calls, incl. waiting GetBatch)")
+    max_wait_seconds: float = _f(
+        60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            0 <= self.port < 65536, "server", "port", f"must be in [0, 65535], got {self.port}"
+        )
+        _require(0 <= self.metrics_port < 65536, "server", "metrics_port", "must be in [0, 65535]")
+        _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
+        _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
+        _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RayConfig:
+    """Where the scheduler actor lives."""
+
+    namespace: str = _f("rlfeed", "Ray namespace of the named scheduler actor")
+    actor_name: str = _f("rlfeed-scheduler", "name of the scheduler actor in that namespace")
+    num_cpus: int = _f(2, "CPUs of an embedded local Ray (ignored when joining a cluster)")
+
+    def __post_init__(self) -> None:
+        _require(self.num_cpus >= 1, "ray", "num_cpus", f"must be >= 1, got {self.num_cpus}")
+        _require(bool(self.actor_name), "ray", "actor_name", "must not be empty")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatchingConfig:
+    """How a step is cut into microbatches and ranks (maps onto sched.assembly.StepConfig)."""
+
+    token_budget: int = _f(
+        65536, "tokens per microbatch (packed: sum of lengths; padded: count x longest)"
+    )
+    world_size: int = _f(1, "data-parallel trainer ranks; each gets the same microbatch count")
+    cost_model: str = _f("packed", "'packed' (varlen rows) or 'padded' (rows padded to longest)")
+    packing_method: str = _f("ffd", "bin packing: 'ffd' (first-fit) or 'bfd' (best-fit decreasing)")
+    attention_weight: float = _f(
+        0.0, "rank-balancing cost = tokens + attention_weight * sum(L^2); raise for long contexts"
+    )
+    retained_steps: int = _f(
+        4, "steps kept for re-fetch after every rank fetched them (trainer restarts), count"
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.token_budget >= 1, "batching", "token_budget", "must be >= 1")
+        _require(self.world_size >= 1, "batching", "world_size", "must be >= 1")
+        _require(self.cost_model in ("packed", "padded"), "batching", "cost_model", "packed|padded")
+        _require(self.packing_method in ("ffd", "bfd"), "batching", "packing_method", "ffd|bfd")
+        _require(self.attention_weight >= 0, "batching", "attention_weight", "must be >= 0")
+        _require(self.retained_steps >= 1, "batching", "retained_steps", "must be >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RolloutsConfig:
+    """What makes a step and which rollouts are accepted."""
+
+    prompts_per_step: int = _f(8, "complete groups (tasks) per training step")
+    group_size: int = _f(8, "rollouts per group; a group is complete when all have arrived")
+    max_policy_lag: int = _f(
+        4, "rollouts more than this many policy versions behind the newest seen are dropped"
+    )
+    vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
+    max_buffered_rollouts: int = _f(
+        200_000, "accepted rollouts not yet fetched by every rank; beyond it ingest backs off"
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, "rollouts", "prompts_per_step", "must be >= 1")
+        _require(self.group_size >= 1, "rollouts", "group_size", "must be >= 1")
+        _require(self.max_policy_lag >= 0, "rollouts", "max_policy_lag", "must be >= 0")
+        _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
+        _require(
+            self.max_buffered_rollouts >= self.prompts_per_step * self.group_size,
+            "rollouts",
+            "max_buffered_rollouts",
+            "must hold at least one step (prompts_per_step * group_size)",
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class AdvantagesConfig:
+    """Group-relative advantages."""
+
+    mode: str = _f("mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)")
+    scale: float = _f(1.0, "divisor of reward - group mean in 'constant' mode")
+    drop_zero_advantage: bool = _f(
+        False, "leave groups with all-equal rewards out of the step (counted either way)"
+    )
+
+    def __post_init__(self) -> None:
+        modes = ("mean", "mean_std", "constant")
+        _require(self.mode in modes, "advantages", "mode", f"one of {modes}, got {self.mode!r}")
+        _require(self.scale > 0, "advantages", "scale", "must be > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CurriculumSection:
+    """Which tasks to sample (maps onto sched.curriculum.CurriculumConfig)."""
+
+    estimator: str = _f("ema", "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior")
+    low: float = _f(0.0, "sample a task while low < estimate (0 drops all-fail tasks)")
+    high: float = _f(1.0, "sample a task while estimate < high (1 drops all-pass tasks)")
+    ema_decay: float = _f(0.5, "weight of the newest visit with estimator 'ema', in (0, 1]")
+    prior_alpha: float = _f(1.0, "Beta prior successes (estimator 'beta'), > 0")
+    prior_beta: float = _f(1.0, "Beta prior failures (estimator 'beta'), > 0")
+    beta_forgetting: float = _f(1.0, "per-visit discount of old Beta evidence, in (0, 1]")
+    revisits: int = _f(1, "tasks from outside the filter added to each sample ('filter'), count")
+    sampling: str = _f("filter", "'filter' (hard pass-rate filter) or 'soft' (p(1-p) + floor)")
+    soft_floor: float = _f(0.01, "added to p(1-p) in 'soft' sampling so no task is impossible")
+    seed: int = _f(0, "seed of the task sampler (sampling is deterministic given it)")
+
+    def __post_init__(self) -> None:
+        try:
+            self.curriculum_config()
+        except ValueError as exc:
+            raise ValueError(f"[curriculum] {exc}") from exc
+
+    def curriculum_config(self):
+        """The sched.curriculum.CurriculumConfig of this section (all fields but seed)."""
+        from rlfeed.sched.curriculum import CurriculumConfig
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.pop("seed")
+        return CurriculumConfig(**values)
+
+
+@dataclass(kw_only=True, frozen=True)
+class AccountingConfig:
+    """Presets used to price steps in GPU-hours (rlfeed.sched.models)."""
+
+    model: str = _f("qwen3-8b", "model preset name (sched.models.MODELS)")
+    gpu: str = _f("h200", "GPU preset name (sched.models.GPUS)")
+    mfu: float = _f(0.4, "training model-FLOPs utilization assumed for pricing, 0-1")
+
+    def __post_init__(self) -> None:
+        _require(0 < self.mfu <= 1, "accounting", "mfu", f"must be in (0, 1], got {self.mfu}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SidecarConfig:
+    """The whole resolved configuration of one `rlfeed serve`."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
+    advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
+    curriculum: CurriculumSection = field(default_factory=CurriculumSection)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
+
+    def __post_init__(self) -> None:
+        from rlfeed.sched.models import GPUS, MODELS
+
+        _require(self.accounting.model in MODELS, "accounting", "model", f"one of {sorted(MODELS)}")
+        _require(self.accounting.gpu in GPUS, "accounting", "gpu", f"one of {sorted(GPUS)}")
+
+    def step_config(self):
+        """The sched.assembly.StepConfig this run assembles steps with."""
+        from rlfeed.sched.assembly import StepConfig
+
+        return StepConfig(
+            token_budget=self.batching.token_budget,
+            world_size=self.batching.world_size,
+            cost_model=self.batching.cost_model,
+            packing_method=self.batching.packing_method,
+            attention_weight=self.batching.attention_weight,
+            advantage_mode=self.advantages.mode,
+            advantage_scale=self.advantages.scale,
+            drop_zero_advantage=self.advantages.drop_zero_advantage,
+        )
+
+
+def _check_type(section: str, name: str, expected: Any, value: Any) -> Any:
+    expected_type = {"int": int, "float": float, "str": str, "bool": bool}[str(expected)]
+    if expected_type is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (expected_type is bool) or not isinstance(value, expected_type):
+        raise ValueError(
+            f"[{section}] {name}: expected {expected_type.__name__}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            where = f"section [{section}]" if section else "the top level"
+            raise ValueError(
+                f"unknown config key {key!r} in {where}; known keys: {', '.join(known)}"
+            )
+        expected = known[key].type
+        if dataclasses.is_dataclass(_SECTIONS.get(key)) and not section:
+            if not isinstance(value, dict):
+                raise ValueError(f"[{key}] must be a table, got {value!r}")
+            kwargs[key] = _build(_SECTIONS[key], value, key)
+        else:
+            kwargs[key] = _check_type(section, key, expected, value)
+    return cls(**kwargs)
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "ray": RayConfig,
+    "batching": BatchingConfig,
+    "rollouts": RolloutsConfig,
+    "advantages": AdvantagesConfig,
+    "curriculum": CurriculumSection,
+    "accounting": AccountingConfig,
+}
+
+
+def config_from_dict(values: dict[str, Any]) -> SidecarConfig:
+    """Build a SidecarConfig from nested dicts (TOML tables); unknown keys are errors."""
+    return _build(SidecarConfig, values, "")
+
+
+def load_config(path: str | Path | None = None) -> SidecarConfig:
+    """Read a TOML file (None = all defaults)."""
+    if path is None:
+        return SidecarConfig()
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            values = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        return config_from_dict(values)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def with_overrides(config: SidecarConfig, **sections: dict[str, Any]) -> SidecarConfig:
+    """Copy of `config` with some fields replaced, e.g. with_overrides(c, server={"port": 0})."""
+    values = config_to_dict(config)
+    for section, fields in sections.items():
+        values.setdefault(section, {}).update(fields)
+    return config_from_dict(values)
+
+
+def config_to_dict(config: SidecarConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return f"{value:_}" if abs(value) >= 1_000_000 else str(value)
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = False) -> str:
+    """The resolved config as TOML (optionally with each field's doc as a comment) or JSON."""
+    if fmt == "json":
+        return json.dumps(config_to_dict(config), indent=2)
+    if fmt != "toml":
+        raise ValueError(f"fmt must be 'toml' or 'json', got {fmt!r}")
+    lines: list[str] = []
+    for section in dataclasses.fields(SidecarConfig):
+        values = getattr(config, section.name)
+        if lines:
+            lines.append("")
+        if with_docs:
+            lines.append(f"# {type(values).__doc__.strip().splitlines()[0]}")
+        lines.append(f"[{section.name}]")
+        for item in dataclasses.fields(values):
+            if with_docs:
+                default = _toml_value(item.default)
+                lines.append(f"# {item.metadata['doc']} (default {default})")
+            lines.append(f"{item.name} = {_toml_value(getattr(values, item.name))}")
+    return "\n".join(lines) + "\n"

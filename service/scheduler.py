@@ -1,0 +1,530 @@
+"""The sidecar's scheduling state and logic, as a plain Python class (no Ray, no gRPC).
+
+`Scheduler` owns the task pool and its pass-rate estimates, the buffered groups, the
+assembled steps and the counters. Every state change is one of a few explicit methods
+(`register_tasks`, `sample_tasks`, `ingest_batch`, `assemble_ready_steps`, `fetch_batch`,
+`record_report`, `record_rejection`), each deterministic given its arguments and the
+state, so a write-ahead journal can record the calls and replay them to the same state
+and the same served bytes. `service/actors.py` hosts one instance in a named Ray actor.
+
+Bulk token data never passes through here row by row: `ingest_batch` receives per-rollout
+metadata arrays plus an opaque payload handle for the batch's TokenColumns (a Ray object
+reference in the actor, the columns themselves in tests); `resolve(handle)` is called only
+when a step is materialized, once per batch involved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rlfeed.sched.advantages import zero_advantage_groups
+from rlfeed.sched.assembly import StepRollouts, TokenColumns, assemble_step
+from rlfeed.sched.curriculum import (
+    grow,
+    init_pass_rates,
+    inside_filter,
+    select_tasks,
+    update_pass_rates,
+)
+from rlfeed.service.codec import RolloutBatchArrays
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.materialize import materialize_step
+from rlfeed.service.validation import rollout_error
+
+
+class BackpressureError(RuntimeError):
+    """The buffer is full (max_buffered_rollouts); the batch was not taken. Retry later."""
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Per-rollout metadata of one validated batch, n rows (the small part of a batch)."""
+
+    rollout_ids: list[str]
+    task_ids: list[str]
+    group_ids: list[str]
+    policy_versions: np.ndarray  # int64 [n]
+    rewards: np.ndarray  # float64 [n]
+    lengths: np.ndarray  # int64 [n] tokens
+    policy_tokens: np.ndarray  # int64 [n] action-mask tokens
+
+    @classmethod
+    def from_arrays(cls, batch: RolloutBatchArrays) -> BatchMeta:
+        return cls(
+            rollout_ids=batch.rollout_ids,
+            task_ids=batch.task_ids,
+            group_ids=batch.group_ids,
+            policy_versions=np.asarray(batch.policy_versions, dtype=np.int64),
+            rewards=np.asarray(batch.rewards, dtype=np.float64),
+            lengths=batch.lengths.astype(np.int64),
+            policy_tokens=batch.policy_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicate: int
+    stale: int
+    newest_policy_version: int
+    buffered_rollouts: int
+    steps_ready: int  # steps `assemble_ready_steps` would assemble now
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    ready: bool  # the step is assembled and still held
+    released: bool = False  # the step was assembled but is no longer held
+    payload: Any = None  # stored GetBatchResponse bytes (or what `store` made of them)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Statistics of one assembled step (the metrics exporter publishes these)."""
+
+    step: int
+    num_rollouts: int
+    num_groups: int
+    zero_advantage_groups: int
+    zero_advantage_groups_dropped: int
+    policy_token_count: int
+    real_tokens: int
+    computed_positions: int
+    padded_positions: int
+    largest_microbatch_positions: int
+    rank_imbalance: float
+    lockstep_efficiency: float
+    microbatches_per_rank: int
+    policy_version: int
+    min_policy_version: int
+    response_bytes: int
+
+
+@dataclass
+class Counters:
+    """Monotonic counters since start (exported as Prometheus `_total` counters later)."""
+
+    rollouts_received: int = 0
+    rollouts_accepted: int = 0
+    rollouts_duplicate: int = 0
+    rollouts_stale: int = 0
+    batches_rejected: int = 0
+    zero_advantage_groups: int = 0
+    zero_advantage_rollouts_dropped: int = 0
+    steps_assembled: int = 0
+    rollouts_trained: int = 0
+    policy_tokens_assembled: int = 0
+    trainer_reports: int = 0
+    tasks_requested: int = 0
+    tasks_sampled: int = 0
+    revisits_sampled: int = 0
+
+
+@dataclass
+class _Group:
+    task_id: str
+    # One tuple per buffered rollout: (arrival, batch_key, row, rollout_id, version, reward,
+    # length, policy_tokens); tuples, not objects, because this is the per-rollout hot path.
+    rows: list[tuple] = field(default_factory=list)
+    min_version: int = 2**62
+
+
+@dataclass
+class _Step:
+    payloads: list[Any]  # per rank
+    num_rollouts: int
+    fetched: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    task_ids: list[str]
+    revisit: list[bool]
+    pass_rate: list[float]
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    next_step: int
+    buffered_rollouts: int
+    buffered_bytes: int
+    open_groups: int
+    complete_groups: int
+    tasks_total: int
+    tasks_inside_filter: int
+    newest_policy_version: int
+    steps_waiting: dict[int, list[int]]  # step -> ranks that have not fetched it
+    counters: Counters
+    last_step: StepRecord | None
+    last_reports: dict[int, dict[str, float]]
+
+
+class Scheduler:
+    """All scheduling state of one sidecar. Not thread-safe: the actor serializes calls.
+
+    resolve(handle) -> TokenColumns turns an ingest payload handle into columns; store(bytes)
+    turns a serialized rank response into what `fetch_batch` hands out (identity in tests,
+    `ray.put` in the actor).
+    """
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
+        store: Callable[[bytes], Any] = lambda payload: payload,
+    ) -> None:
+        self.config = config
+        self._resolve = resolve
+        self._store = store
+        self._step_config = config.step_config()
+        self._curriculum = config.curriculum.curriculum_config()
+        self._rng = np.random.default_rng(config.curriculum.seed)
+        self._task_index: dict[str, int] = {}
+        self._task_ids: list[str] = []
+        self._pass_rates = init_pass_rates(0, self._curriculum)
+        self._seen: set[str] = set()
+        self._open: dict[str, _Group] = {}
+        self._complete: OrderedDict[str, _Group] = OrderedDict()
+        self._closed: dict[str, str] = {}  # group id -> "stale" | "assembled" | "zero_advantage"
+        self._payloads: dict[int, list] = {}  # batch key -> [handle, live rollouts]
+        self._next_batch_key = 0
+        self._next_arrival = 0
+        self._newest_version = -1
+        self._buffered_rollouts = 0
+        self._buffered_bytes = 0
+        self._steps: dict[int, _Step] = {}
+        self._fully_fetched: deque[int] = deque()
+        self._rollouts_in_steps = 0  # assembled, not yet fetched by every rank
+        self._next_step = 0
+        self._zero_dropped_since_step = 0
+        self.counters = Counters()
+        self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        self.last_reports: dict[int, dict[str, float]] = {}
+
+    # ---- tasks ----------------------------------------------------------------------
+
+    def register_tasks(self, task_ids: list[str]) -> tuple[int, int]:
+        """Add unknown task ids to the pool; returns (added, total)."""
+        added = 0
+        for task_id in task_ids:
+            if not task_id:
+                raise ValueError("task_ids: empty task id")
+            if task_id not in self._task_index:
+                self._task_index[task_id] = len(self._task_ids)
+                self._task_ids.append(task_id)
+                added += 1
+        if added:
+            self._pass_rates = grow(self._pass_rates, len(self._task_ids))
+        return added, len(self._task_ids)
+
+    def is_known_task(self, task_id: str) -> bool:
+        return task_id in self._task_index
+
+    def sample_tasks(self, n: int) -> SampleResult:
+        """Tasks to roll out next (curriculum.select_tasks); n = 0 means prompts_per_step."""
+        n = n or self.config.rollouts.prompts_per_step
+        chosen = select_tasks(self._pass_rates, n, self._curriculum, self._rng)
+        inside = inside_filter(self._pass_rates, self._curriculum)[chosen]
+        self.counters.tasks_requested += n
+        self.counters.tasks_sampled += int(chosen.size)
+        self.counters.revisits_sampled += int((~inside).sum())
+        return SampleResult(
+            task_ids=[self._task_ids[i] for i in chosen.tolist()],
+            revisit=(~inside).tolist(),
+            pass_rate=self._pass_rates.estimate[chosen].tolist(),
+        )
+
+    # ---- ingest ---------------------------------------------------------------------
+
+    def ingest_batch(self, meta: BatchMeta, payload: Any) -> IngestResult:
+        """Buffer a validated batch. All-or-nothing: InvalidBatchError (unknown task, group
+        over group_size or spanning two tasks) or BackpressureError leave no trace."""
+        rollouts = self.config.rollouts
+        n = len(meta.rollout_ids)
+        duplicate = np.fromiter((i in self._seen for i in meta.rollout_ids), bool, count=n)
+        fresh = np.flatnonzero(~duplicate)
+        newest = self._newest_version
+        if fresh.size:
+            newest = max(newest, int(meta.policy_versions[fresh].max()))
+        oldest_allowed = newest - rollouts.max_policy_lag
+
+        # Phase 1: check everything against the state; mutate nothing.
+        stale_groups: set[str] = set()
+        adding: dict[str, int] = {}
+        batch_task: dict[str, str] = {}
+        for row in fresh.tolist():
+            rollout_id, task_id, group_id = (
+                meta.rollout_ids[row],
+                meta.task_ids[row],
+                meta.group_ids[row],
+            )
+            if task_id not in self._task_index:
+                raise rollout_error(rollout_id, "task_id", f"unknown task {task_id!r}")
+            group = self._open.get(group_id) or self._complete.get(group_id)
+            group_task = group.task_id if group else batch_task.setdefault(group_id, task_id)
+            if task_id != group_task:
+                raise rollout_error(
+                    rollout_id, "group_id", f"group {group_id!r} belongs to task {group_task!r}"
+                )
+            closed = self._closed.get(group_id)
+            if closed == "stale":
+                stale_groups.add(group_id)
+                continue
+            if closed is not None or group_id in self._complete:
+                raise rollout_error(
+                    rollout_id,
+                    "group_id",
+                    f"group {group_id!r} already has its {rollouts.group_size} rollouts",
+                )
+            if meta.policy_versions[row] < oldest_allowed:
+                stale_groups.add(group_id)
+                continue
+            adding[group_id] = adding.get(group_id, 0) + 1
+            if adding[group_id] + (len(group.rows) if group else 0) > rollouts.group_size:
+                raise rollout_error(
+                    rollout_id,
+                    "group_id",
+                    f"group {group_id!r} would exceed group_size {rollouts.group_size}",
+                )
+        if newest > self._newest_version:
+            stale_groups.update(
+                g
+                for g, group in (*self._open.items(), *self._complete.items())
+                if group.min_version < oldest_allowed
+            )
+        incoming = sum(count for g, count in adding.items() if g not in stale_groups)
+        freed = sum(len(self._group(g).rows) for g in stale_groups if self._group(g))
+        live = self._buffered_rollouts + self._rollouts_in_steps - freed
+        if incoming and live + incoming > rollouts.max_buffered_rollouts:
+            raise BackpressureError(
+                f"buffer full: {live} rollouts buffered or in unfetched steps, batch adds "
+                f"{incoming}, max_buffered_rollouts = {rollouts.max_buffered_rollouts}"
+            )
+
+        # Phase 2: apply.
+        self._newest_version = newest
+        for group_id in stale_groups:
+            self._drop_group(group_id, "stale")
+        batch_key = self._next_batch_key
+        self._next_batch_key += 1
+        stale = accepted = 0
+        completed: list[str] = []
+        for row in fresh.tolist():
+            rollout_id, group_id = meta.rollout_ids[row], meta.group_ids[row]
+            self._seen.add(rollout_id)
+            if group_id in stale_groups:
+                stale += 1
+                continue
+            group = self._open.setdefault(group_id, _Group(task_id=meta.task_ids[row]))
+            length = int(meta.lengths[row])
+            group.rows.append(
+                (
+                    self._next_arrival,
+                    batch_key,
+                    row,
+                    rollout_id,
+                    int(meta.policy_versions[row]),
+                    float(meta.rewards[row]),
+                    length,
+                    int(meta.policy_tokens[row]),
+                )
+            )
+            self._next_arrival += 1
+            group.min_version = min(group.min_version, int(meta.policy_versions[row]))
+            self._buffered_bytes += length * 9  # int32 id + uint8 mask + float32 log-prob
+            accepted += 1
+            if len(group.rows) == rollouts.group_size:
+                completed.append(group_id)
+        self._buffered_rollouts += accepted
+        if accepted:
+            self._payloads[batch_key] = [payload, accepted]
+        self.counters.rollouts_received += n
+        self.counters.rollouts_accepted += accepted
+        self.counters.rollouts_duplicate += n - fresh.size
+        self.counters.rollouts_stale += stale
+        self._complete_groups(completed)
+        return IngestResult(
+            accepted=accepted,
+            duplicate=int(n - fresh.size),
+            stale=stale,
+            newest_policy_version=max(self._newest_version, 0),
+            buffered_rollouts=self._buffered_rollouts,
+            steps_ready=len(self._complete) // rollouts.prompts_per_step,
+        )
+
+    def record_rejection(self) -> None:
+        """Count a batch the front-end rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+        self.counters.batches_rejected += 1
+
+    def _group(self, group_id: str) -> _Group | None:
+        return self._open.get(group_id) or self._complete.get(group_id)
+
+    def _release_rows(self, rows: list[tuple]) -> None:
+        for row in rows:
+            entry = self._payloads[row[1]]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._payloads[row[1]]  # drop the reference: Ray may free the object
+            self._buffered_bytes -= row[6] * 9
+        self._buffered_rollouts -= len(rows)
+
+    def _drop_group(self, group_id: str, reason: str) -> None:
+        group = self._open.pop(group_id, None) or self._complete.pop(group_id, None)
+        if group is not None:
+            self._release_rows(group.rows)
+            if reason == "stale":
+                self.counters.rollouts_stale += len(group.rows)
+        self._closed[group_id] = reason
+
+    def _complete_groups(self, group_ids: list[str]) -> None:
+        """Move complete groups on: update pass rates (one vectorized call), count and
+        maybe discard zero-advantage ones, queue the rest for the next step."""
+        if not group_ids:
+            return
+        groups = [self._open.pop(g) for g in group_ids]
+        rewards = np.array([row[5] for group in groups for row in group.rows], dtype=np.float64)
+        group_of = np.repeat(np.arange(len(groups)), [len(group.rows) for group in groups])
+        # Rewards are treated as pass fractions for the estimate (clipped into [0, 1]).
+        means = np.clip(np.bincount(group_of, weights=rewards) / np.bincount(group_of), 0, 1)
+        tasks = np.array([self._task_index[group.task_id] for group in groups], dtype=np.int64)
+        self._pass_rates = update_pass_rates(
+            self._pass_rates, tasks, means, self.config.rollouts.group_size, self._curriculum
+        )
+        zero_rows = zero_advantage_groups(rewards, group_of)
+        zero_groups = np.zeros(len(groups), dtype=bool)
+        zero_groups[group_of] = zero_rows
+        for group_id, group, zero in zip(group_ids, groups, zero_groups.tolist(), strict=True):
+            self.counters.zero_advantage_groups += zero
+            if zero and self.config.advantages.drop_zero_advantage:
+                self._release_rows(group.rows)
+                self._closed[group_id] = "zero_advantage"
+                self.counters.zero_advantage_rollouts_dropped += len(group.rows)
+                self._zero_dropped_since_step += 1
+            else:
+                self._complete[group_id] = group
+
+    # ---- steps ----------------------------------------------------------------------
+
+    def assemble_ready_steps(self) -> list[int]:
+        """Assemble a step from every prompts_per_step complete groups; returns new steps."""
+        per_step = self.config.rollouts.prompts_per_step
+        new_steps = []
+        while len(self._complete) >= per_step:
+            groups = [self._complete.popitem(last=False) for _ in range(per_step)]
+            new_steps.append(self._assemble(groups))
+        return new_steps
+
+    def _assemble(self, groups: list[tuple[str, _Group]]) -> int:
+        rows = sorted(
+            ((row, index) for index, (_, group) in enumerate(groups) for row in group.rows),
+            key=lambda item: item[0][0],  # arrival order
+        )
+        group_of = np.array([index for _, index in rows], dtype=np.int64)
+        rows = [row for row, _ in rows]
+        versions = np.array([row[4] for row in rows], dtype=np.int64)
+        step_rollouts = StepRollouts(
+            lengths=np.array([row[6] for row in rows], dtype=np.int64),
+            policy_tokens=np.array([row[7] for row in rows], dtype=np.int64),
+            rewards=np.array([row[5] for row in rows], dtype=np.float64),
+            group_ids=group_of,
+        )
+        plan = assemble_step(step_rollouts, self._step_config)
+        step = self._next_step
+        responses = materialize_step(
+            step=step,
+            plan=plan,
+            rows=[(row[1], row[2]) for row in rows],
+            rollout_ids=[row[3] for row in rows],
+            policy_versions=versions,
+            columns={key: self._resolve(self._payloads[key][0]) for key in {r[1] for r in rows}},
+        )
+        for group_id, group in groups:
+            self._release_rows(group.rows)
+            self._closed[group_id] = "assembled"
+        kept_versions = versions[plan.kept] if plan.kept.size else versions
+        self._steps[step] = _Step(
+            payloads=[self._store(response) for response in responses],
+            num_rollouts=len(rows),
+        )
+        self._rollouts_in_steps += len(rows)
+        self._next_step += 1
+        record = StepRecord(
+            step=step,
+            num_rollouts=int(plan.kept.size),
+            num_groups=plan.num_groups,
+            zero_advantage_groups=plan.zero_advantage_groups,
+            zero_advantage_groups_dropped=self._zero_dropped_since_step,
+            policy_token_count=plan.policy_token_count,
+            real_tokens=plan.real_tokens,
+            computed_positions=plan.computed_positions,
+            padded_positions=plan.padded_positions,
+            largest_microbatch_positions=plan.largest_microbatch_positions,
+            rank_imbalance=plan.rank_imbalance,
+            lockstep_efficiency=plan.lockstep_efficiency,
+            microbatches_per_rank=plan.microbatches_per_rank,
+            policy_version=int(kept_versions.max()),
+            min_policy_version=int(kept_versions.min()),
+            response_bytes=sum(len(r) for r in responses),
+        )
+        self._zero_dropped_since_step = 0
+        self.step_records.append(record)
+        self.counters.steps_assembled += 1
+        self.counters.rollouts_trained += record.num_rollouts
+        self.counters.policy_tokens_assembled += record.policy_token_count
+        return step
+
+    def fetch_batch(self, step: int, rank: int) -> FetchResult:
+        """Rank `rank`'s stored response of `step`, and note the fetch (a state change: a
+        step fetched by every rank is released after `retained_steps` newer such steps)."""
+        world_size = self.config.batching.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        held = self._steps.get(step)
+        if held is None:
+            return FetchResult(ready=False, released=step < self._next_step)
+        if rank not in held.fetched:
+            held.fetched.add(rank)
+            if len(held.fetched) == world_size:
+                self._rollouts_in_steps -= held.num_rollouts
+                self._fully_fetched.append(step)
+                while len(self._fully_fetched) > self.config.batching.retained_steps:
+                    del self._steps[self._fully_fetched.popleft()]
+        return FetchResult(ready=True, payload=held.payloads[rank])
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    # ---- trainer reports and status -------------------------------------------------
+
+    def record_report(self, rank: int, report: dict[str, float]) -> None:
+        """Keep the latest report of each rank (the metrics exporter reads them)."""
+        self.last_reports[int(rank)] = dict(report)
+        self.counters.trainer_reports += 1
+
+    def status(self) -> StatusSnapshot:
+        world_size = self.config.batching.world_size
+        inside = int(inside_filter(self._pass_rates, self._curriculum).sum())
+        return StatusSnapshot(
+            next_step=self._next_step,
+            buffered_rollouts=self._buffered_rollouts,
+            buffered_bytes=self._buffered_bytes,
+            open_groups=len(self._open),
+            complete_groups=len(self._complete),
+            tasks_total=len(self._task_ids),
+            tasks_inside_filter=inside,
+            newest_policy_version=max(self._newest_version, 0),
+            steps_waiting={
+                step: sorted(set(range(world_size)) - held.fetched)
+                for step, held in sorted(self._steps.items())
+                if len(held.fetched) < world_size
+            },
+            counters=Counters(**vars(self.counters)),
+            last_step=self.step_records[-1] if self.step_records else None,
+            last_reports={rank: dict(r) for rank, r in self.last_reports.items()},
+        )

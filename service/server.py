@@ -1,0 +1,337 @@
+"""The gRPC front-end: decode + validate on the handler thread, then one small actor call.
+
+`start_server(config)` brings up (or joins) Ray, creates the named scheduler actor and a
+threaded `grpc.server` serving the four rlfeed.v1 services, the standard health service
+and server reflection. `SidecarServer.stop()` is the one shutdown path: health goes
+NOT_SERVING, waiting GetBatch calls are released, the server drains for `grace` seconds,
+the actor is killed and Ray is shut down if this process started it.
+
+Per rollout batch the handler thread decodes the Arrow payload and validates it
+(vectorized numpy), `ray.put`s the columns and sends the actor one call with metadata
+arrays and the object reference; ingest throughput scales with front-end threads, not
+with the actor's Python loop. GetBatch answers with the stored response bytes as they
+are (a pass-through serializer), so a re-fetch is byte-identical.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import ray
+import rlfeed
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.actors import create_scheduler_actor
+from rlfeed.service.codec import decode_rollout_batch
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.scheduler import BatchMeta, StatusSnapshot, StepRecord
+from rlfeed.service.validation import validate_rollout_batch
+
+SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
+# A waiting GetBatch re-asks the actor this often even without a local "step assembled"
+# signal (another front-end may have assembled it).
+_POLL_SECONDS = 0.25
+
+
+def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.StatusResponse:
+    counters = pb.Counters(**vars(snapshot.counters))
+    counters.rollouts_saved_by_filter = (
+        snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
+    ) * config.rollouts.group_size
+    response = pb.StatusResponse(
+        version=rlfeed.__version__,
+        next_step=snapshot.next_step,
+        buffered_rollouts=snapshot.buffered_rollouts,
+        buffered_bytes=snapshot.buffered_bytes,
+        complete_groups=snapshot.complete_groups,
+        open_groups=snapshot.open_groups,
+        tasks_total=snapshot.tasks_total,
+        tasks_inside_filter=snapshot.tasks_inside_filter,
+        tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,
+        steps_waiting=[
+            pb.StepWaiting(step=step, ranks_missing=ranks)
+            for step, ranks in snapshot.steps_waiting.items()
+        ],
+        newest_policy_version=snapshot.newest_policy_version,
+        counters=counters,
+        world_size=config.batching.world_size,
+        prompts_per_step=config.rollouts.prompts_per_step,
+        group_size=config.rollouts.group_size,
+        token_budget=config.batching.token_budget,
+        last_reports=[
+            pb.TrainerReport(rank=rank, **report)
+            for rank, report in sorted(snapshot.last_reports.items())
+        ],
+    )
+    if snapshot.last_step is not None:
+        response.last_step.CopyFrom(step_stats_to_proto(snapshot.last_step))
+    return response
+
+
+def step_stats_to_proto(record: StepRecord) -> pb.StepStats:
+    return pb.StepStats(**vars(record))
+
+
+class SidecarServicer:
+    """Handlers of the rlfeed.v1 services; every scheduler call goes through `actor`."""
+
+    def __init__(self, config: SidecarConfig, actor: ray.actor.ActorHandle) -> None:
+        self.config = config
+        self.actor = actor
+        self._steps_changed = threading.Condition()
+        self._known_next_step = 0
+        self._stopping = False
+
+    def release_waiters(self) -> None:
+        with self._steps_changed:
+            self._stopping = True
+            self._steps_changed.notify_all()
+
+    # ---- RolloutIngest --------------------------------------------------------------
+
+    def SubmitRollouts(self, request_iterator, context):
+        for request in request_iterator:
+            yield self.SubmitRolloutBatch(request, context)
+
+    def SubmitRolloutBatch(self, request: pb.RolloutBatch, context) -> pb.SubmitAck:
+        try:
+            arrays = decode_rollout_batch(request.arrow_ipc)
+            validate_rollout_batch(
+                arrays,
+                token_budget=self.config.batching.token_budget,
+                vocab_size=self.config.rollouts.vocab_size,
+            )
+        except ValueError as exc:
+            self.actor.record_rejection.remote()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        payload = [ray.put(arrays.columns)] if len(arrays) else None
+        kind, result = ray.get(
+            self.actor.ingest_batch.remote(BatchMeta.from_arrays(arrays), payload)
+        )
+        if kind == "invalid":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result)
+        if kind == "backpressure":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result)
+        if result.steps_ready:
+            self._assemble()
+        return pb.SubmitAck(
+            sequence=request.sequence,
+            accepted=result.accepted,
+            duplicate=result.duplicate,
+            stale=result.stale,
+            newest_policy_version=result.newest_policy_version,
+            buffered_rollouts=result.buffered_rollouts,
+        )
+
+    def _assemble(self) -> None:
+        new_steps = ray.get(self.actor.assemble_ready_steps.remote())
+        if new_steps:
+            with self._steps_changed:
+                self._known_next_step = max(self._known_next_step, max(new_steps) + 1)
+                self._steps_changed.notify_all()
+
+    # ---- TaskSampling ---------------------------------------------------------------
+
+    def RegisterTasks(self, request: pb.RegisterTasksRequest, context):
+        kind, result = ray.get(self.actor.register_tasks.remote(list(request.task_ids)))
+        if kind != "ok":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result)
+        added, total = result
+        return pb.RegisterTasksResponse(added=added, total_tasks=total)
+
+    def SampleTasks(self, request: pb.SampleTasksRequest, context):
+        _, result = ray.get(self.actor.sample_tasks.remote(int(request.n)))
+        return pb.SampleTasksResponse(
+            task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
+        )
+
+    # ---- BatchServing ---------------------------------------------------------------
+
+    def GetBatch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
+        step, rank = int(request.step), int(request.rank)
+        wait = min(request.timeout_ms / 1000.0, self.config.server.max_wait_seconds)
+        remaining_call = context.time_remaining()
+        if remaining_call is not None:
+            wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
+        deadline = time.monotonic() + wait
+        while True:
+            kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
+            if kind == "ready":
+                return ray.get(value[0])
+            if kind == "invalid":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
+            if kind == "released":
+                context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"step {step} was released (every rank fetched it and retained_steps "
+                    f"newer steps followed); the next step to be assembled is {value}",
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                return pb.GetBatchResponse(ready=False, step=step, rank=rank)
+            with self._steps_changed:
+                self._steps_changed.wait_for(
+                    lambda: self._known_next_step > step or self._stopping,
+                    timeout=min(remaining, _POLL_SECONDS),
+                )
+
+    def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
+        report = {
+            "step": int(request.step),
+            "loss": request.loss,
+            "ratio_outlier_share": request.ratio_outlier_share,
+            "tokens_per_second": request.tokens_per_second,
+            "step_seconds": request.step_seconds,
+        }
+        ray.get(self.actor.record_report.remote(int(request.rank), report))
+        return pb.TrainerReportAck()
+
+    # ---- SidecarStatus --------------------------------------------------------------
+
+    def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
+        return status_to_proto(ray.get(self.actor.status.remote()), self.config)
+
+
+def _batch_serving_handler(servicer: SidecarServicer) -> grpc.GenericRpcHandler:
+    """BatchServing registered by hand: GetBatch returns stored bytes as they are."""
+    return grpc.method_handlers_generic_handler(
+        "rlfeed.v1.BatchServing",
+        {
+            "GetBatch": grpc.unary_unary_rpc_method_handler(
+                servicer.GetBatch,
+                request_deserializer=pb.GetBatchRequest.FromString,
+                response_serializer=_pass_through,
+            ),
+            "ReportTrainerMetrics": grpc.unary_unary_rpc_method_handler(
+                servicer.ReportTrainerMetrics,
+                request_deserializer=pb.TrainerReport.FromString,
+                response_serializer=pb.TrainerReportAck.SerializeToString,
+            ),
+        },
+    )
+
+
+@dataclass
+class SidecarServer:
+    """A running sidecar: `address` is "host:port"; `stop()` is idempotent."""
+
+    config: SidecarConfig
+    port: int
+    server: grpc.Server
+    servicer: SidecarServicer
+    health: health.HealthServicer
+    actor: ray.actor.ActorHandle
+    started_ray: bool
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.server.host}:{self.port}"
+
+    def stop(self, grace: float = 2.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.health.enter_graceful_shutdown()
+            self.servicer.release_waiters()
+            self.server.stop(grace).wait(grace + 1.0)
+        finally:
+            try:
+                ray.kill(self.actor)
+            finally:
+                if self.started_ray:
+                    ray.shutdown()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.server.wait_for_termination(timeout)
+
+    def __enter__(self) -> SidecarServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
+    """Make sure this process is a Ray driver; returns True if it started/joined Ray here."""
+    if ray.is_initialized():
+        return False
+    if ray_address is None:
+        ray.init(
+            address="local",  # always a fresh embedded instance, never a stray cluster
+            num_cpus=config.ray.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace=config.ray.namespace,
+        )
+    else:
+        ray.init(address=ray_address, namespace=config.ray.namespace, log_to_driver=False)
+    return True
+
+
+def start_server(config: SidecarConfig, ray_address: str | None = None) -> SidecarServer:
+    """Start Ray (embedded, or join `ray_address`: "auto" or host:port) unless this process
+    already runs it, the scheduler actor and the gRPC server; returns once serving."""
+    started_ray = _connect_ray(config, ray_address)
+    actor = server = None
+    try:
+        actor = create_scheduler_actor(config)
+        servicer = SidecarServicer(config, actor)
+        limit = config.server.max_message_bytes
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.server.max_workers, thread_name_prefix="rlfeed-grpc"
+            ),
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.so_reuseport", 0),  # a busy port is an error, not a shared socket
+            ],
+        )
+        pb_grpc.add_RolloutIngestServicer_to_server(servicer, server)
+        pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
+        pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((_batch_serving_handler(servicer),))
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        target = f"{config.server.host}:{config.server.port}"
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {target} (port in use?)")
+        server.start()
+        for name in ("", *SERVICE_NAMES):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        if server is not None:
+            server.stop(0)
+        if actor is not None:
+            ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
+        raise
+    return SidecarServer(
+        config=config,
+        port=port,
+        server=server,
+        servicer=servicer,
+        health=health_servicer,
+        actor=actor,
+        started_ray=started_ray,
+    )
