@@ -90,7 +90,6 @@ def test_json_plan_is_the_library_plan(capsys, lengths_file, cost, world_size):
 
 
 def test_stdin_blank_lines_and_comments_are_ignored(capsys, monkeypatch):
-
     monkeypatch.setattr(sys, "stdin", io.StringIO("# header\n\n300\n  200  # a comment\n\n"))
     code, out, _ = run_plan(capsys, "--lengths", "-", "--budget", "500", "--json")
     assert code == 0
