@@ -104,7 +104,9 @@ class RolloutsConfig:
     )
     vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
     max_buffered_rollouts: int = _f(
-        200_000, "accepted rollouts not yet fetched by every rank; beyond it ingest backs off"
+        200_000,
+        "accepted rollouts not yet fetched by every rank; beyond it ingest answers "
+        "RESOURCE_EXHAUSTED",
     )
 
     def __post_init__(self) -> None:
@@ -127,7 +129,9 @@ class AdvantagesConfig:
     mode: str = _f("mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)")
     scale: float = _f(1.0, "divisor of reward - group mean in 'constant' mode")
     drop_zero_advantage: bool = _f(
-        False, "leave groups with all-equal rewards out of the step (counted either way)"
+        False,
+        "discard all-equal-reward groups as they complete, so steps fill with informative "
+        "groups (dynamic sampling); counted either way",
     )
 
     def __post_init__(self) -> None:
@@ -320,3 +324,16 @@ def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = F
                 lines.append(f"# {item.metadata['doc']} (default {default})")
             lines.append(f"{item.name} = {_toml_value(getattr(values, item.name))}")
     return "\n".join(lines) + "\n"
+
+
+EXAMPLE_HEADER = """\
+# rlfeed sidecar configuration: every field with its meaning, unit and default.
+# Use: rlfeed serve --config rlfeed.example.toml   (flags --host/--port override [server])
+# Unknown keys are an error. Generated from rlfeed.service.config (example_config_text);
+# tests/test_config.py keeps this file in sync with the dataclasses.
+"""
+
+
+def example_config_text() -> str:
+    """The documented default config: the content of deploy/rlfeed.example.toml."""
+    return EXAMPLE_HEADER + "\n" + dump_config(SidecarConfig(), "toml", with_docs=True)

@@ -1,0 +1,117 @@
+"""`rlfeed status`: ask a running sidecar for its health and progress.
+
+    rlfeed status                          # 127.0.0.1:50051
+    rlfeed status --address host:7000 --json
+
+Shows health (grpc.health.v1), the next step, buffered rollouts and bytes, tasks inside and
+outside the pass-rate filter, steps still waiting for ranks, and the counters. Exits 1 with
+a clear message when nothing answers at the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"HOST:PORT ({DEFAULT_ADDRESS})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for an answer (3)"
+    )
+
+
+def message_to_plain(message) -> dict:
+    """Every field of a protobuf message as plain JSON-able values (64-bit ints stay ints,
+    unlike protobuf's JSON mapping, which writes them as strings; unset messages -> None)."""
+    plain = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.is_repeated:
+            plain[field.name] = [message_to_plain(item) for item in value]
+        elif field.message_type is not None:
+            plain[field.name] = message_to_plain(value) if message.HasField(field.name) else None
+        elif field.is_repeated:
+            plain[field.name] = list(value)
+        else:
+            plain[field.name] = value
+    return plain
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _text(address: str, health: str, status) -> str:
+    counters = status.counters
+    lines = [
+        f"rlfeed sidecar at {address}: {health} (rlfeed {status.version})",
+        f"  next step        {status.next_step}  (world size {status.world_size}, "
+        f"{status.prompts_per_step} groups x {status.group_size} rollouts per step, "
+        f"token budget {status.token_budget})",
+        f"  buffered         {status.buffered_rollouts} rollouts, {_mib(status.buffered_bytes)} "
+        f"({status.open_groups} open groups, {status.complete_groups} complete)",
+        f"  tasks            {status.tasks_total}: {status.tasks_inside_filter} inside the "
+        f"filter, {status.tasks_outside_filter} outside",
+        f"  policy version   newest {status.newest_policy_version}",
+    ]
+    if status.steps_waiting:
+        waiting = ", ".join(
+            f"{w.step} (ranks {','.join(map(str, w.ranks_missing))})" for w in status.steps_waiting
+        )
+        lines.append(f"  waiting for      {waiting}")
+    else:
+        lines.append("  waiting for      no step is waiting for ranks")
+    lines.append(
+        f"  rollouts         received {counters.rollouts_received}, accepted "
+        f"{counters.rollouts_accepted}, duplicate {counters.rollouts_duplicate}, stale "
+        f"{counters.rollouts_stale}, trained {counters.rollouts_trained}; rejected batches "
+        f"{counters.batches_rejected}"
+    )
+    lines.append(
+        f"  zero advantage   {counters.zero_advantage_groups} groups "
+        f"({counters.zero_advantage_rollouts_dropped} rollouts dropped); rollouts saved by "
+        f"the filter {counters.rollouts_saved_by_filter}"
+    )
+    if status.HasField("last_step"):
+        last = status.last_step
+        lines.append(
+            f"  last step        {last.step}: {last.num_rollouts} rollouts, "
+            f"{last.policy_token_count} policy tokens, {last.computed_positions} positions "
+            f"computed vs {last.padded_positions} padded, rank imbalance "
+            f"{last.rank_imbalance:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from rlfeed.proto import rlfeed_pb2, rlfeed_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            check = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=args.timeout
+            )
+            status = rlfeed_pb2_grpc.SidecarStatusStub(channel).GetStatus(
+                rlfeed_pb2.GetStatusRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                message = f"nothing answers at {args.address} (is `rlfeed serve` running?)"
+            else:
+                message = f"{args.address} answered {exc.code().name}: {exc.details()}"
+            print(f"rlfeed status: {message}", file=sys.stderr)
+            return 1
+    health = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
+    if args.json:
+        body = message_to_plain(status)
+        print(json.dumps({"address": args.address, "health": health, **body}, indent=2))
+    else:
+        print(_text(args.address, health, status))
+    return 0 if health == "SERVING" else 1
