@@ -2,8 +2,9 @@
 
 `Transport` is what `RolloutWriter` and `BatchLoader` use; it speaks the `.proto` messages
 (`rlfeed.v1`), so the wire contract stays the one definition of every field. `GrpcTransport`
-calls a running sidecar; `InProcessTransport` (in `rlfeed.client.fake`) runs the
-scheduler in the calling process, so client and trainer code is testable without a server.
+calls a running sidecar; `InProcessTransport` runs the sidecar's own decoding, validation
+and `Scheduler` in the calling process (no gRPC, no Ray), so client and trainer code is
+testable without a server.
 
 Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT, with
 its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
@@ -12,7 +13,10 @@ its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleased
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import dataclasses
+import threading
+import time
+from typing import Any, Protocol, runtime_checkable
 
 from rlfeed.proto import rlfeed_pb2 as pb
 
@@ -97,11 +101,11 @@ class GrpcTransport:
         self._batches = pb_grpc.BatchServingStub(self._channel)
         self._status = pb_grpc.SidecarStatusStub(self._channel)
 
-    def _call(self, method, request, timeout_s: float | None = None, rollout_ids=()):
+    def _call(self, method, request, timeout_s: float | None = None):
         try:
             return method(request, timeout=timeout_s or self._call_timeout_s)
         except self._grpc.RpcError as exc:
-            raise _sidecar_error(exc, rollout_ids) from None
+            raise _sidecar_error(exc) from None
 
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
         return self._call(self._ingest.SubmitRolloutBatch, batch)
@@ -126,11 +130,11 @@ class GrpcTransport:
         self._channel.close()
 
 
-def _sidecar_error(exc, rollout_ids=()) -> SidecarError:
+def _sidecar_error(exc) -> SidecarError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     message = exc.details() or str(exc)
     if code == "INVALID_ARGUMENT":
-        return InvalidRolloutsError(message, tuple(rollout_ids))
+        return InvalidRolloutsError(message)
     if code == "RESOURCE_EXHAUSTED":
         return BufferFullError(message)
     if code == "NOT_FOUND":
@@ -148,3 +152,139 @@ def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
             f"expected 'host:port' or a Transport, got {type(address_or_transport).__name__}"
         )
     return address_or_transport, False
+
+
+class InProcessTransport:
+    """`Transport` backed by a `rlfeed.service.scheduler.Scheduler` in this process.
+
+    It runs the same codec, validation and scheduler code as the server, and answers with
+    the same messages (served steps are the scheduler's stored `GetBatchResponse` bytes),
+    so what the client sees matches a real sidecar minus the network. Thread-safe: one
+    lock serializes calls, as the scheduler actor does.
+    """
+
+    def __init__(self, config: Any = None) -> None:
+        from rlfeed.service.config import SidecarConfig
+        from rlfeed.service.scheduler import Scheduler
+
+        self.config = config if config is not None else SidecarConfig()
+        self._scheduler = Scheduler(self.config)
+        self._cond = threading.Condition()
+
+    def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
+        from rlfeed.service.codec import decode_rollout_batch
+        from rlfeed.service.scheduler import BackpressureError, BatchMeta
+        from rlfeed.service.validation import validate_rollout_batch
+
+        with self._cond:
+            try:
+                arrays = decode_rollout_batch(batch.arrow_ipc)
+                validate_rollout_batch(
+                    arrays,
+                    token_budget=self.config.batching.token_budget,
+                    vocab_size=self.config.rollouts.vocab_size,
+                    is_known_task=self._scheduler.is_known_task,
+                )
+                result = self._scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+            except BackpressureError as exc:
+                self._scheduler.record_rejection()
+                raise BufferFullError(str(exc)) from None
+            except ValueError as exc:
+                self._scheduler.record_rejection()
+                raise InvalidRolloutsError(str(exc)) from None
+            if self._scheduler.assemble_ready_steps():
+                self._cond.notify_all()
+            return pb.SubmitAck(
+                sequence=batch.sequence,
+                accepted=result.accepted,
+                duplicate=result.duplicate,
+                stale=result.stale,
+                newest_policy_version=result.newest_policy_version,
+                buffered_rollouts=result.buffered_rollouts,
+            )
+
+    def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
+        with self._cond:
+            try:
+                added, total = self._scheduler.register_tasks(list(task_ids))
+            except ValueError as exc:
+                raise InvalidRolloutsError(str(exc)) from None
+        return pb.RegisterTasksResponse(added=added, total_tasks=total)
+
+    def sample_tasks(self, n: int) -> pb.SampleTasksResponse:
+        with self._cond:
+            result = self._scheduler.sample_tasks(n)
+        return pb.SampleTasksResponse(
+            task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
+        )
+
+    def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                try:
+                    result = self._scheduler.fetch_batch(step, rank)
+                except ValueError as exc:
+                    raise SidecarError("INVALID_ARGUMENT", str(exc)) from None
+                if result.ready:
+                    return pb.GetBatchResponse.FromString(result.payload)
+                if result.released:
+                    raise StepReleasedError(f"step {step} is no longer retained")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return pb.GetBatchResponse(ready=False)
+                self._cond.wait(remaining)
+
+    def report(self, report: pb.TrainerReport) -> None:
+        with self._cond:
+            self._scheduler.record_report(
+                report.rank,
+                {
+                    "step": report.step,
+                    "loss": report.loss,
+                    "ratio_outlier_share": report.ratio_outlier_share,
+                    "tokens_per_second": report.tokens_per_second,
+                    "step_seconds": report.step_seconds,
+                },
+            )
+
+    def status(self) -> pb.StatusResponse:
+        with self._cond:
+            snapshot = self._scheduler.status()
+        counters = _known_fields(pb.Counters, dataclasses.asdict(snapshot.counters))
+        counters["rollouts_saved_by_filter"] = (
+            snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
+        ) * self.config.rollouts.group_size
+        response = pb.StatusResponse(
+            next_step=snapshot.next_step,
+            buffered_rollouts=snapshot.buffered_rollouts,
+            buffered_bytes=snapshot.buffered_bytes,
+            open_groups=snapshot.open_groups,
+            complete_groups=snapshot.complete_groups,
+            tasks_total=snapshot.tasks_total,
+            tasks_inside_filter=snapshot.tasks_inside_filter,
+            tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,
+            newest_policy_version=snapshot.newest_policy_version,
+            steps_waiting=[
+                pb.StepWaiting(step=step, ranks_missing=ranks)
+                for step, ranks in snapshot.steps_waiting.items()
+            ],
+            counters=pb.Counters(**counters),
+            world_size=self.config.batching.world_size,
+            prompts_per_step=self.config.rollouts.prompts_per_step,
+            group_size=self.config.rollouts.group_size,
+            token_budget=self.config.batching.token_budget,
+        )
+        if snapshot.last_step is not None:
+            response.last_step.CopyFrom(
+                pb.StepStats(**_known_fields(pb.StepStats, dataclasses.asdict(snapshot.last_step)))
+            )
+        return response
+
+    def close(self) -> None:
+        pass
+
+
+def _known_fields(message_type: Any, values: dict[str, Any]) -> dict[str, Any]:
+    names = set(message_type.DESCRIPTOR.fields_by_name)
+    return {name: value for name, value in values.items() if name in names}

@@ -1,0 +1,255 @@
+"""RolloutWriter: what is written arrives column for column; backpressure; server errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from rlfeed.client.producer import RolloutWriter
+from rlfeed.client.transport import BufferFullError, InProcessTransport, InvalidRolloutsError
+from rlfeed.service.codec import decode_rollout_batch
+from rlfeed.service.config import config_from_dict
+
+
+def make_transport(**rollouts) -> InProcessTransport:
+    return InProcessTransport(
+        config_from_dict(
+            {
+                "batching": {"token_budget": 256},
+                "rollouts": {"prompts_per_step": 2, "group_size": 2, "vocab_size": 100, **rollouts},
+            }
+        )
+    )
+
+
+class Recording:
+    """Wraps a transport; keeps every submitted batch, can hold or refuse submissions."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.batches = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.refuse = 0  # answer RESOURCE_EXHAUSTED this many times first
+
+    def submit(self, batch):
+        self.gate.wait()
+        if self.refuse:
+            self.refuse -= 1
+            raise BufferFullError("sidecar buffer full")
+        ack = self.inner.submit(batch)
+        self.batches.append(batch)
+        return ack
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def rollout(i: int, length: int = 5, task: str = "t0", group: str | None = None, **overrides):
+    rng = np.random.default_rng(i)
+    mask = np.zeros(length, np.uint8)
+    mask[length // 2 :] = 1
+    row = {
+        "rollout_id": f"r{i}",
+        "task_id": task,
+        "group_id": group if group is not None else f"g{i // 2}",
+        "policy_version": i % 3,
+        "reward": float(i % 2),
+        "token_ids": rng.integers(0, 100, length).astype(np.int32),
+        "action_mask": mask,
+        "sampler_logprobs": np.where(mask > 0, -rng.random(length), 0.0).astype(np.float32),
+    }
+    row.update(overrides)
+    return row
+
+
+@pytest.fixture
+def recording():
+    transport = Recording(make_transport())
+    transport.register_tasks(["t0", "t1"])
+    return transport
+
+
+def test_written_rollouts_arrive_column_for_column(recording):
+    rows = [rollout(i, length=3 + i) for i in range(10)]
+    with RolloutWriter(recording, max_batch_rollouts=4) as writer:
+        for row in rows:
+            writer.write(**row)
+    assert [len(decode_rollout_batch(b.arrow_ipc)) for b in recording.batches] == [4, 4, 2]
+    received = [decode_rollout_batch(b.arrow_ipc) for b in recording.batches]
+    i = 0
+    for batch in received:
+        for j in range(len(batch)):
+            row = rows[i]
+            a, b = batch.offsets[j], batch.offsets[j + 1]
+            assert batch.rollout_ids[j] == row["rollout_id"]
+            assert batch.task_ids[j] == row["task_id"]
+            assert batch.group_ids[j] == row["group_id"]
+            assert batch.policy_versions[j] == row["policy_version"]
+            assert batch.rewards[j] == row["reward"]
+            np.testing.assert_array_equal(batch.token_ids[a:b], row["token_ids"])
+            np.testing.assert_array_equal(batch.action_mask[a:b], row["action_mask"])
+            np.testing.assert_array_equal(batch.sampler_logprobs[a:b], row["sampler_logprobs"])
+            i += 1
+    assert i == len(rows)
+
+
+def test_flush_returns_one_ack_per_batch_in_order(recording):
+    writer = RolloutWriter(recording, max_batch_rollouts=3)
+    for i in range(8):
+        writer.write(**rollout(i))
+    acks = writer.flush()
+    assert [a.sequence for a in acks] == [0, 1, 2]
+    assert [a.accepted for a in acks] == [3, 3, 2]
+    assert writer.flush() == []
+    writer.close()
+    assert recording.status().counters.rollouts_accepted == 8
+
+
+def test_plain_lists_are_accepted(recording):
+    with RolloutWriter(recording) as writer:
+        writer.write(
+            rollout_id="a",
+            task_id="t0",
+            group_id="g",
+            policy_version=0,
+            reward=1,
+            token_ids=[5, 6, 7],
+            action_mask=[0, 1, 1],
+            sampler_logprobs=[0.0, -0.5, -0.25],
+        )
+    batch = decode_rollout_batch(recording.batches[0].arrow_ipc)
+    assert batch.token_ids.tolist() == [5, 6, 7]
+    assert batch.sampler_logprobs.tolist() == [0.0, -0.5, -0.25]
+
+
+def test_mismatched_lengths_fail_at_the_write_call(recording):
+    writer = RolloutWriter(recording)
+    with pytest.raises(ValueError, match=r"rollout 'r0': action_mask has 4 entries but token_ids"):
+        writer.write(**rollout(0, length=5, action_mask=np.zeros(4, np.uint8)))
+    writer.close()
+
+
+def test_invalid_batch_raises_the_server_message_and_the_writer_keeps_working(recording):
+    writer = RolloutWriter(recording, max_batch_rollouts=2)
+    bad_mask = np.ones(5, np.uint8)  # action_mask[0] = 1: nothing predicts the first token
+    writer.write(**rollout(0))
+    writer.write(**rollout(1, action_mask=bad_mask))
+    with pytest.raises(InvalidRolloutsError, match=r"'r1'.*action_mask") as caught:
+        writer.flush()
+    assert caught.value.rollout_ids == ("r0", "r1")  # the batch is rejected as a whole
+    writer.write(**rollout(2))
+    writer.write(**rollout(3))
+    assert [a.accepted for a in writer.flush()] == [2]
+    writer.close()
+    assert recording.status().counters.rollouts_accepted == 2
+
+
+def test_unknown_task_is_named_in_the_error(recording):
+    writer = RolloutWriter(recording)
+    writer.write(**rollout(0, task="nope"))
+    with pytest.raises(InvalidRolloutsError, match="unknown task 'nope'"):
+        writer.close()
+
+
+def test_full_writer_raises_when_asked_to(recording):
+    recording.gate.clear()  # the sidecar does not answer
+    writer = RolloutWriter(
+        recording, max_batch_rollouts=2, max_buffered_rollouts=4, on_full="raise"
+    )
+    for i in range(4):
+        writer.write(**rollout(i))
+    with pytest.raises(BufferFullError, match="4 unacknowledged rollouts"):
+        writer.write(**rollout(4))
+    recording.gate.set()
+    writer.flush()
+    writer.write(**rollout(4))
+    writer.close()
+    assert recording.status().counters.rollouts_accepted == 5
+
+
+def test_full_writer_blocks_until_the_sidecar_catches_up(recording):
+    recording.gate.clear()
+    writer = RolloutWriter(recording, max_batch_rollouts=2, max_buffered_rollouts=4)
+    for i in range(4):
+        writer.write(**rollout(i))
+    done = threading.Event()
+
+    def fifth() -> None:
+        writer.write(**rollout(4))
+        done.set()
+
+    thread = threading.Thread(target=fifth)
+    thread.start()
+    assert not done.wait(0.3)  # blocked: four rollouts unacknowledged
+    recording.gate.set()
+    assert done.wait(5)
+    thread.join()
+    writer.close()
+    assert recording.status().counters.rollouts_accepted == 5
+
+
+def test_blocking_write_gives_up_after_block_timeout(recording):
+    recording.gate.clear()
+    writer = RolloutWriter(
+        recording, max_batch_rollouts=1, max_buffered_rollouts=1, block_timeout_s=0.2
+    )
+    writer.write(**rollout(0))
+    started = time.monotonic()
+    with pytest.raises(BufferFullError, match=r"no room after 0\.2 s"):
+        writer.write(**rollout(1))
+    assert time.monotonic() - started < 2
+    recording.gate.set()
+    writer.close()
+
+
+def test_resource_exhausted_is_retried_until_accepted(recording):
+    recording.refuse = 3
+    with RolloutWriter(recording, max_batch_rollouts=2, retry_backoff_s=0.001) as writer:
+        for i in range(4):
+            writer.write(**rollout(i))
+    assert recording.refuse == 0
+    assert recording.status().counters.rollouts_accepted == 4
+    assert len(recording.batches) == 2
+
+
+def test_sidecar_buffer_limit_reaches_the_producer_as_backpressure():
+    transport = make_transport(max_buffered_rollouts=4)
+    transport.register_tasks(["t0"])
+    writer = RolloutWriter(
+        transport,
+        max_batch_rollouts=2,
+        max_buffered_rollouts=2,
+        retry_backoff_s=0.001,
+        on_full="raise",
+    )
+    for i in range(4):
+        writer.write(**rollout(i))  # one step (2 groups of 2), unfetched: the sidecar is full
+        writer.flush()
+    writer.write(**rollout(4))
+    writer.write(**rollout(5))  # sealed, refused by the sidecar, retried in the background
+    with pytest.raises(BufferFullError):
+        writer.write(**rollout(6))
+    assert transport.get_batch(0, 0, 0).ready  # a trainer takes step 0 ...
+    writer.flush(timeout_s=5)  # ... which frees room: the retried batch goes in
+    writer.close()
+    assert transport.status().counters.rollouts_accepted == 6
+
+
+def test_tasks_are_registered_and_sampled(recording):
+    writer = RolloutWriter(recording)
+    assert writer.register_tasks(["t1", "t2", "t3"]) == 2  # t1 was known
+    tasks = writer.sample_tasks(2)
+    assert len(tasks) == 2
+    assert set(tasks) <= {"t0", "t1", "t2", "t3"}
+    writer.close()
+
+
+def test_closed_writer_refuses_writes(recording):
+    writer = RolloutWriter(recording)
+    writer.close()
+    writer.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(**rollout(0))
