@@ -181,6 +181,24 @@ def test_soft_sampling_frequencies_are_proportional_to_p_times_one_minus_p():
     assert counts[0] > 0 and counts[5] > 0  # the floor: a saturated task stays possible
 
 
+def test_soft_sampling_without_replacement_is_successive_weighted_draws():
+    # Ordered pairs (i, j) must have probability w_i / W * w_j / (W - w_i).
+    config = CurriculumConfig(estimator="last", sampling="soft", soft_floor=0.05)
+    state = init_pass_rates(3, config)
+    means = np.array([0.0, 0.25, 0.5])
+    state = update_pass_rates(state, np.arange(3), means, GROUP, config)
+    weight = means * (1 - means) + 0.05
+    total = weight.sum()
+    pairs = [(i, j) for i in range(3) for j in range(3) if i != j]
+    expected = np.array([weight[i] / total * weight[j] / (total - weight[i]) for i, j in pairs])
+    rng = np.random.default_rng(4)
+    draws = 12_000
+    seen = [tuple(select_tasks(state, 2, config, rng).tolist()) for _ in range(draws)]
+    counts = np.array([seen.count(pair) for pair in pairs])
+    chi2 = ((counts - draws * expected) ** 2 / (draws * expected)).sum()
+    assert chi2 < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
 def test_soft_sampling_returns_n_distinct_tasks():
     config = CurriculumConfig(sampling="soft")
     state = init_pass_rates(30, config)
