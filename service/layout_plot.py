@@ -37,7 +37,7 @@ DPI = 100
 # A panel is never narrower than this share of the plot width: with a token budget far wider
 # than the longest sequence, exact scale would leave the padded panel a sliver. The title
 # says so when it happens.
-MIN_PANEL_SHARE = 0.22
+MIN_PANEL_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -243,8 +243,8 @@ def _raster(rows: list[np.ndarray], width: int, columns: int) -> np.ndarray:
 def figure_size_px(layout: StepLayout) -> tuple[int, int]:
     """(width, height) in pixels of the rendered PNG: fixed width, height from the rows."""
     rows = max(layout.lengths.size, len(layout.rows), 1)
-    plot_height = int(np.clip(rows * 6, 240, 900))
-    return WIDTH_PX, plot_height + 170
+    plot_height = int(np.clip(rows * 10, 300, 1000))
+    return WIDTH_PX, plot_height + 190
 
 
 def render_layout_png(layout: StepLayout) -> bytes:
@@ -265,7 +265,7 @@ def render_layout_png(layout: StepLayout) -> bytes:
     share = longest / (longest + budget)
     to_scale = MIN_PANEL_SHARE <= share <= 1 - MIN_PANEL_SHARE
     share = float(np.clip(share, MIN_PANEL_SHARE, 1 - MIN_PANEL_SHARE))
-    left, right, bottom, top, gap = 0.06, 0.99, 90 / height_px, 1 - 60 / height_px, 0.05
+    left, right, bottom, top, gap = 0.06, 0.99, 90 / height_px, 1 - 100 / height_px, 0.05
     plot_width = right - left - gap
     padded_ax = figure.add_axes((left, bottom, plot_width * share, top - bottom))
     packed_ax = figure.add_axes(
@@ -331,14 +331,25 @@ def render_layout_png(layout: StepLayout) -> bytes:
     packed_ax.set_yticks([(s + e) / 2 for s, e in zip(starts, ends, strict=True)])
     packed_ax.set_yticklabels([f"rank {int(layout.row_ranks[s])}" for s in starts], fontsize=8)
     padded_ax.set_ylabel("sequence (one row each)")
-
     real = layout.real_tokens
     padded = layout.padded_positions
+    if len(layout.rows) < num_rows / 2:  # say what the empty space means
+        packed_ax.text(
+            budget / 2,
+            (len(layout.rows) + num_rows) / 2,
+            f"{len(layout.rows)} packed rows instead of {n} padded ones:\n"
+            f"the padded layout computes {padded / max(real, 1):.1f}x the positions",
+            ha="center",
+            va="center",
+            color="#777777",
+            fontsize=11,
+        )
+
     policy = int(layout.action_mask.sum()) if layout.action_mask is not None else None
     slots = max(len(layout.rows), 1) * budget
     scale_note = "" if to_scale else "  (widths not to scale)"
     padded_ax.set_title(
-        f"Padded: {n} rows × {longest:,} = {padded:,} positions, "
+        f"Padded: {n} rows × {longest:,} = {padded:,} positions\n"
         f"{(padded - real) / max(padded, 1):.0%} padding{scale_note}",
         fontsize=10,
         loc="left",
@@ -346,8 +357,8 @@ def render_layout_png(layout: StepLayout) -> bytes:
     per_rank = len(layout.rows) // max(layout.world_size, 1)
     packed_ax.set_title(
         f"Packed: {len(layout.rows)} microbatches ({layout.world_size} ranks × {per_rank}) "
-        f"of ≤ {budget:,} tokens: {real:,} positions, 0% padding, "
-        f"{real / slots:.0%} of the budget filled",
+        f"of ≤ {budget:,} tokens = {real:,} positions\n"
+        f"0% padding, {real / slots:.0%} of the token budget filled",
         fontsize=10,
         loc="left",
     )
@@ -357,6 +368,8 @@ def render_layout_png(layout: StepLayout) -> bytes:
         f"{step}{n} sequences, {real:,} real tokens{policy_text}; same scale, area is compute",
         fontsize=12,
         x=left,
+        y=1 - 12 / height_px,
+        va="top",
         ha="left",
     )
     other_label = "prompt / tool tokens" if policy is not None else "tokens (no policy mask)"
