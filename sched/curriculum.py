@@ -205,7 +205,13 @@ def _validated_groups(
             f"group_mean_reward[{i}]={means[i]!r} (task {int(tasks[i])}) must be a finite "
             "pass fraction in [0, 1]"
         )
-    sizes = np.broadcast_to(np.asarray(group_size), tasks.shape)
+    try:
+        sizes = np.broadcast_to(np.asarray(group_size), tasks.shape)
+    except ValueError:
+        raise ValueError(
+            f"group_size must be a scalar or have one entry per group ({tasks.size}), "
+            f"got shape {np.shape(group_size)}"
+        ) from None
     bad = np.flatnonzero(~(np.equal(np.mod(sizes, 1), 0) & (sizes >= 1)))
     if bad.size:
         i = int(bad[0])

@@ -152,6 +152,15 @@ def test_filter_samples_fewer_when_fewer_pass_and_revisits_come_from_excluded():
         assert not keep[chosen[3:]].any()
 
 
+def test_empty_pool_samples_only_revisits():
+    config = CurriculumConfig(estimator="last", revisits=2)
+    state = init_pass_rates(6, config)
+    state = update_pass_rates(state, np.arange(6), [0, 1, 1, 0, 1, 1], GROUP, config)
+    assert not inside_filter(state, config).any()
+    chosen = select_tasks(state, 8, config, 3)
+    assert chosen.size == 2 and np.unique(chosen).size == 2
+
+
 def test_revisits_are_uniform_over_excluded_tasks():
     config = CurriculumConfig(estimator="last", revisits=1)
     state = init_pass_rates(10, config)
@@ -270,6 +279,8 @@ def test_bad_input_names_the_field_and_index():
         update_pass_rates(state, [-1], [0.5], GROUP, config)
     with pytest.raises(ValueError, match=r"group_size\[1\]"):
         update_pass_rates(state, [0, 1], [0.5, 0.5], [8, 0], config)
+    with pytest.raises(ValueError, match="group_size must be a scalar or have one entry"):
+        update_pass_rates(state, [0, 1], [0.5, 0.5], [8, 8, 8], config)
     with pytest.raises(ValueError, match="task_index has 2 entries"):
         update_pass_rates(state, [0, 1], [0.5], GROUP, config)
     with pytest.raises(ValueError, match="prior"):
