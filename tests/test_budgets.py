@@ -12,6 +12,7 @@ from rlfeed.sched.budgets import (
     microbatch_positions,
     microbatch_tokens,
     padding_share,
+    spread_evenly,
     token_budget_microbatches,
 )
 from rlfeed.sched.packing import naive_first_fit_decreasing
@@ -160,3 +161,41 @@ def test_budgets_are_deterministic():
         first = token_budget_microbatches(lengths, 1000, cost=cost)
         second = token_budget_microbatches(lengths.tolist(), 1000, cost=cost)
         assert [m.tolist() for m in first] == [m.tolist() for m in second]
+
+
+@FAST
+@given(lengths_and_budget(), st.integers(1, 9))
+def test_multiple_of_spreads_to_the_next_multiple_or_keeps_the_packed_bins(case, multiple):
+    lengths, budget = case
+    packed = token_budget_microbatches(lengths, budget)
+    result = token_budget_microbatches(lengths, budget, multiple_of=multiple)
+    assert sorted(i for m in result for i in m.tolist()) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in m.tolist()) <= budget for m in result)
+    next_multiple = -(-len(packed) // multiple) * multiple
+    spread = spread_evenly(lengths, next_multiple) if next_multiple > len(packed) else None
+    fits = spread is not None and all(sum(lengths[i] for i in m.tolist()) <= budget for m in spread)
+    expected = spread if fits else packed
+    assert [m.tolist() for m in result] == [m.tolist() for m in expected]
+
+
+@FAST
+@given(st.lists(st.integers(1, 100), min_size=0, max_size=60), st.integers(1, 12))
+def test_spread_evenly_is_textbook_lpt(lengths, count):
+    spread = spread_evenly(lengths, count)
+    if len(lengths) < count:
+        assert spread is None
+        return
+    loads = [0] * count
+    expected: list[list[int]] = [[] for _ in range(count)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(count), key=lambda b: (loads[b], b))
+        loads[target] += lengths[index]
+        expected[target].append(index)
+    assert [m.tolist() for m in spread] == expected
+    # List scheduling's guarantee: loads differ by at most the longest sequence.
+    assert max(loads) - min(loads) <= max(lengths)
+
+
+def test_multiple_of_must_be_positive():
+    with pytest.raises(ValueError, match="multiple_of must be a whole number >= 1"):
+        token_budget_microbatches([1, 2], 8, multiple_of=0)

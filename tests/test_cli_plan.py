@@ -89,6 +89,27 @@ def test_json_plan_is_the_library_plan(capsys, lengths_file, cost, world_size):
     assert plan["plan_seconds"] >= 0
 
 
+def test_spread_plan_is_the_library_plan_with_multiple_of(capsys, lengths_file):
+    code, out, err = run_plan(
+        capsys,
+        "--lengths",
+        str(lengths_file),
+        "--budget",
+        "8000",
+        "--world-size",
+        "4",
+        "--spread",
+        "--json",
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    microbatches = token_budget_microbatches(LENGTHS, 8000, multiple_of=4)
+    expected = balance_ranks(LENGTHS, microbatches, 4)
+    assert plan["spread"] is True
+    assert plan["microbatches"] == [m.tolist() for m in expected.microbatches]
+    assert plan["ranks"] == expected.ranks
+
+
 def test_stdin_blank_lines_and_comments_are_ignored(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("# header\n\n300\n  200  # a comment\n\n"))
     code, out, _ = run_plan(capsys, "--lengths", "-", "--budget", "500", "--json")

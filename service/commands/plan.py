@@ -8,7 +8,8 @@ FILE holds one length (in tokens) per line; blank lines and `#` comments are ign
 bad line is reported with its line number. The plan is what a step's assembly does
 (`rlfeed.sched.budgets.token_budget_microbatches`, then `rlfeed.sched.balance.balance_ranks`):
 microbatches of at most --budget computed positions (default 131,072), then dealt out to
---world-size ranks (default 1), the same number to each. --json prints one JSON object:
+--world-size ranks (default 1), the same number to each; --spread first tries to spread
+packed sequences evenly over a multiple of K microbatches. --json prints one JSON object:
 `microbatches` (0-based sequence indices), `ranks` (microbatch indices per rank, in slot
 order), `num_microbatches` (after balancing, including splits and empty no-op microbatches),
 `num_budget_microbatches` (before balancing), `lower_bound` (ceil(tokens / budget)),
@@ -96,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help="rank-balancing cost = tokens + W x sum(L^2) (default 0)",
     )
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="packed: spread sequences evenly over a multiple of K microbatches (LPT) "
+        "instead of splitting full ones; better rank balance when it fits the budget",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -153,7 +160,11 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
     sizes = np.asarray(lengths, dtype=np.int64)
     started = time.perf_counter()
     budget_microbatches = token_budget_microbatches(
-        sizes, args.budget, cost=args.cost, method=args.method
+        sizes,
+        args.budget,
+        cost=args.cost,
+        method=args.method,
+        multiple_of=args.world_size if args.spread else 1,
     )
     assignment = balance_ranks(
         sizes,
@@ -176,6 +187,7 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         "method": args.method,
         "world_size": args.world_size,
         "attention_weight": args.attention_weight,
+        "spread": args.spread,
         "num_microbatches": len(microbatches),
         "num_budget_microbatches": len(budget_microbatches),
         "num_empty_microbatches": int(sum(m.size == 0 for m in microbatches)),
@@ -203,6 +215,7 @@ def _print_table(plan: dict, source: str) -> None:
     print(
         f"budget {plan['token_budget']:,} positions ({plan['cost']}, {plan['method']}), "
         f"world size {plan['world_size']}, attention weight {plan['attention_weight']:g}"
+        + (", spread" if plan["spread"] else "")
     )
     empty = f", {plan['num_empty_microbatches']} empty" if plan["num_empty_microbatches"] else ""
     rows = [
