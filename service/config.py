@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,7 +322,8 @@ def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = F
         for item in dataclasses.fields(values):
             if with_docs:
                 default = _toml_value(item.default)
-                lines.append(f"# {item.metadata['doc']} (default {default})")
+                text = f"{item.metadata['doc']} (default {default})"
+                lines.extend(textwrap.wrap(text, 98, initial_indent="# ", subsequent_indent="# "))
             lines.append(f"{item.name} = {_toml_value(getattr(values, item.name))}")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,239 @@
+"""The scheduler's logic without Ray or gRPC: grouping, steps, staleness, idempotency,
+zero-advantage handling, backpressure, release of fetched steps and the curriculum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.codec import decode_rollout_batch
+from rlfeed.service.config import SidecarConfig, with_overrides
+from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler
+from rlfeed.service.testing import SyntheticRollouts, check_served_step, synthetic_groups
+from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
+
+
+def make_scheduler(**sections) -> Scheduler:
+    base = {
+        "rollouts": {"prompts_per_step": 2, "group_size": 4},
+        "batching": {"world_size": 2, "token_budget": 256},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    scheduler = Scheduler(with_overrides(SidecarConfig(), **base))
+    scheduler.register_tasks([f"task-{i}" for i in range(64)])
+    return scheduler
+
+
+def ingest(scheduler: Scheduler, rollouts: SyntheticRollouts, rows=None):
+    arrays = decode_rollout_batch(rollouts.encode(rows))
+    validate_rollout_batch(arrays, token_budget=scheduler.config.batching.token_budget)
+    return scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+
+
+def fetch_step(scheduler: Scheduler, step: int) -> list[bytes]:
+    results = [scheduler.fetch_batch(step, r) for r in range(scheduler.config.batching.world_size)]
+    assert all(result.ready for result in results)
+    return [result.payload for result in results]
+
+
+def test_step_serves_every_policy_token_of_its_groups_exactly_once() -> None:
+    scheduler = make_scheduler()
+    rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(0))
+    ack = ingest(scheduler, rollouts)
+    assert (ack.accepted, ack.steps_ready) == (8, 1)
+    assert scheduler.assemble_ready_steps() == [0]
+    served = check_served_step(fetch_step(scheduler, 0), rollouts)
+    assert sorted(served) == sorted(rollouts.rollout_ids)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    world_size=st.integers(1, 4),
+    batch_size=st.integers(1, 13),
+    budget=st.integers(200, 600),
+)
+def test_groups_split_across_batches_make_the_same_checked_steps(
+    seed: int, world_size: int, batch_size: int, budget: int
+) -> None:
+    scheduler = make_scheduler(batching={"world_size": world_size, "token_budget": budget})
+    rng = np.random.default_rng(seed)
+    rollouts = synthetic_groups(num_groups=6, group_size=4, rng=rng, max_length=200)
+    order = rng.permutation(len(rollouts))  # groups interleave across batches
+    steps = []
+    for start in range(0, len(order), batch_size):
+        ingest(scheduler, rollouts, order[start : start + batch_size])
+        steps += scheduler.assemble_ready_steps()
+    assert steps == [0, 1, 2]
+    served = [check_served_step(fetch_step(scheduler, s), rollouts) for s in steps]
+    assert sorted(r for ids in served for r in ids) == sorted(rollouts.rollout_ids)
+    for ids in served:  # a step holds whole groups
+        assert len({rollout_id.split("-")[0] for rollout_id in ids}) == 2
+
+
+def test_refetching_a_step_returns_identical_bytes() -> None:
+    scheduler = make_scheduler()
+    ingest(scheduler, synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(1)))
+    scheduler.assemble_ready_steps()
+    assert fetch_step(scheduler, 0) == fetch_step(scheduler, 0)
+
+
+def test_replaying_the_same_calls_reproduces_the_same_bytes() -> None:
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(2))
+    outputs = []
+    for _ in range(2):
+        scheduler = make_scheduler()
+        ingest(scheduler, rollouts, range(0, 9))
+        ingest(scheduler, rollouts, range(9, 16))
+        scheduler.assemble_ready_steps()
+        outputs.append(fetch_step(scheduler, 0) + fetch_step(scheduler, 1))
+    assert outputs[0] == outputs[1]
+
+
+def test_resubmitted_rollouts_are_duplicates_not_double_counted() -> None:
+    scheduler = make_scheduler()
+    rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(3))
+    ingest(scheduler, rollouts, range(6))
+    again = ingest(scheduler, rollouts, range(8))
+    assert (again.accepted, again.duplicate) == (2, 6)
+    assert scheduler.assemble_ready_steps() == [0]
+    assert scheduler.status().counters.rollouts_accepted == 8
+    check_served_step(fetch_step(scheduler, 0), rollouts)
+
+
+def test_a_rollout_too_far_behind_drops_its_whole_group_as_stale() -> None:
+    scheduler = make_scheduler(rollouts={"max_policy_lag": 1})
+    rng = np.random.default_rng(4)
+    old = synthetic_groups(num_groups=2, group_size=4, rng=rng, prefix="old", policy_version=0)
+    new = synthetic_groups(num_groups=2, group_size=4, rng=rng, prefix="new", policy_version=2)
+    ingest(scheduler, old, range(3))  # group old-g0 is still incomplete
+    ack = ingest(scheduler, new)
+    assert ack.stale == 0 and scheduler.status().counters.rollouts_stale == 3
+    late = ingest(scheduler, old, range(3, 8))  # the rest of old-g0 and all of old-g1
+    assert (late.accepted, late.stale) == (0, 5)
+    assert scheduler.assemble_ready_steps() == [0]
+    served = check_served_step(fetch_step(scheduler, 0), new)
+    assert sorted(served) == sorted(new.rollout_ids)
+    assert scheduler.status().counters.rollouts_stale == 8
+
+
+def test_zero_advantage_groups_are_counted_and_dropped_when_configured() -> None:
+    rng = np.random.default_rng(5)
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=rng)
+    rollouts.rewards[:4] = [1.0] * 4  # group g0: all pass
+    rollouts.rewards[4:8] = [0.0, 1.0, 0.0, 0.0]
+    rollouts.rewards[8:12] = [0.0] * 4  # group g2: all fail
+    rollouts.rewards[12:16] = [1.0, 0.0, 1.0, 1.0]
+    kept = make_scheduler()
+    ingest(kept, rollouts)
+    assert kept.assemble_ready_steps() == [0, 1]
+    assert kept.status().counters.zero_advantage_groups == 2
+    dropping = make_scheduler(advantages={"drop_zero_advantage": True})
+    ingest(dropping, rollouts)
+    assert dropping.assemble_ready_steps() == [0]
+    served = check_served_step(fetch_step(dropping, 0), rollouts)
+    assert {r.split("-")[0] for r in served} == {"g1", "g3"}
+    status = dropping.status()
+    assert status.counters.zero_advantage_groups == 2
+    assert status.counters.zero_advantage_rollouts_dropped == 8
+    assert status.last_step.zero_advantage_groups_dropped == 2
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda r: r.task_ids.__setitem__(0, "no-such-task"), "task_id"),
+        (lambda r: r.task_ids.__setitem__(1, "task-7"), "group_id"),  # group spans two tasks
+    ],
+)
+def test_state_dependent_errors_name_the_rollout_and_leave_no_trace(mutate, field) -> None:
+    scheduler = make_scheduler()
+    rollouts = synthetic_groups(
+        num_groups=2, group_size=4, rng=np.random.default_rng(6), tasks=["task-0", "task-1"]
+    )
+    mutate(rollouts)
+    before = scheduler.status()
+    with pytest.raises(InvalidBatchError, match=f"rollout '.*': field {field}"):
+        ingest(scheduler, rollouts)
+    assert scheduler.status() == before
+
+
+def test_a_group_beyond_group_size_is_rejected() -> None:
+    scheduler = make_scheduler()
+    rollouts = synthetic_groups(num_groups=1, group_size=5, rng=np.random.default_rng(7))
+    ingest(scheduler, rollouts, range(4))
+    with pytest.raises(InvalidBatchError, match=r"rollout 'g0-r4': field group_id"):
+        ingest(scheduler, rollouts, [4])
+
+
+def test_full_buffer_refuses_the_batch_until_ranks_fetch() -> None:
+    scheduler = make_scheduler(rollouts={"max_buffered_rollouts": 8})
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(8))
+    ingest(scheduler, rollouts, range(8))
+    scheduler.assemble_ready_steps()
+    with pytest.raises(BackpressureError, match="max_buffered_rollouts"):
+        ingest(scheduler, rollouts, range(8, 12))
+    fetch_step(scheduler, 0)  # both ranks fetched step 0: its rollouts no longer count
+    assert ingest(scheduler, rollouts, range(8, 16)).accepted == 8
+
+
+def test_steps_fetched_by_every_rank_are_released_after_retained_steps() -> None:
+    scheduler = make_scheduler(batching={"retained_steps": 1})
+    rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(9))
+    ingest(scheduler, rollouts)
+    assert scheduler.assemble_ready_steps() == [0, 1, 2]
+    assert scheduler.status().steps_waiting == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    scheduler.fetch_batch(0, 0)
+    assert scheduler.status().steps_waiting[0] == [1]
+    fetch_step(scheduler, 0)
+    fetch_step(scheduler, 1)  # step 0 is now the second fully fetched step: released
+    assert scheduler.fetch_batch(0, 0).released
+    assert scheduler.fetch_batch(1, 1).ready
+    assert not scheduler.fetch_batch(3, 0).ready and not scheduler.fetch_batch(3, 0).released
+    with pytest.raises(ValueError, match="rank 2"):
+        scheduler.fetch_batch(0, 2)
+
+
+def test_step_metadata_is_the_global_count_and_newest_policy_version() -> None:
+    scheduler = make_scheduler(rollouts={"max_policy_lag": 5})
+    rng = np.random.default_rng(10)
+    first = synthetic_groups(num_groups=1, group_size=4, rng=rng, prefix="a", policy_version=3)
+    second = synthetic_groups(num_groups=1, group_size=4, rng=rng, prefix="b", policy_version=5)
+    ingest(scheduler, first)
+    ingest(scheduler, second)
+    scheduler.assemble_ready_steps()
+    responses = [pb.GetBatchResponse.FromString(p) for p in fetch_step(scheduler, 0)]
+    expected_tokens = sum(int(m.sum()) for m in first.action_mask + second.action_mask)
+    for response in responses:
+        assert response.policy_token_count == expected_tokens
+        assert (response.policy_version, response.min_policy_version) == (5, 3)
+    record = scheduler.status().last_step
+    assert record.policy_token_count == expected_tokens
+    assert record.real_tokens == sum(t.size for t in first.token_ids + second.token_ids)
+
+
+def test_task_sampling_drops_saturated_tasks_and_revisits_them() -> None:
+    scheduler = make_scheduler(
+        curriculum={"estimator": "last", "revisits": 1, "seed": 3},
+        rollouts={"prompts_per_step": 1, "group_size": 2},
+    )
+    scheduler = Scheduler(scheduler.config)
+    scheduler.register_tasks(["easy", "hard", "mixed"])
+    rng = np.random.default_rng(11)
+    rollouts = synthetic_groups(
+        num_groups=3, group_size=2, rng=rng, tasks=["easy", "hard", "mixed"]
+    )
+    rollouts.rewards[:] = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    ingest(scheduler, rollouts)
+    status = scheduler.status()
+    assert (status.tasks_total, status.tasks_inside_filter) == (3, 1)
+    sample = scheduler.sample_tasks(3)
+    assert sample.task_ids[0] == "mixed" and sample.revisit == [False, True]
+    assert sample.task_ids[1] in ("easy", "hard")
+    replay = Scheduler(scheduler.config)
+    replay.register_tasks(["easy", "hard", "mixed"])
+    ingest(replay, rollouts)
+    assert replay.sample_tasks(3) == sample  # deterministic given the seed
