@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -166,6 +166,29 @@ def layout_from_microbatches(
         token_budget=int(token_budget),
         step=step,
     )
+
+
+def layout_from_batch_responses(
+    responses: Sequence[Any], *, token_budget: int, step: int | None = None
+) -> StepLayout:
+    """Layout of one step from every rank's GetBatchResponse (messages or their bytes),
+    ranks in order: what the trainers received."""
+    from rlfeed.proto import rlfeed_pb2 as pb
+    from rlfeed.service.codec import decode_microbatch
+
+    ranks = []
+    for response in responses:
+        if isinstance(response, bytes | bytearray | memoryview):
+            response = pb.GetBatchResponse.FromString(bytes(response))
+        if not response.ready:
+            raise ValueError(f"rank {response.rank}: step {response.step} is not ready")
+        step = int(response.step) if step is None else step
+        rows = []
+        for message in response.microbatches:
+            arrays = decode_microbatch(message)
+            rows.append((arrays["cu_seqlens"], arrays["loss_mask"]))
+        ranks.append(rows)
+    return layout_from_microbatches(ranks, token_budget=token_budget, step=step)
 
 
 def layout_from_lengths(

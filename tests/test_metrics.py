@@ -18,6 +18,8 @@ from rlfeed.sched.assembly import (
 )
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, select_tasks
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
+from rlfeed.service.codec import decode_rollout_batch
+from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.layout_plot import layout_from_plan
 from rlfeed.service.metrics import (
     PASS_RATE_BUCKETS,
@@ -25,9 +27,12 @@ from rlfeed.service.metrics import (
     CostAssumptions,
     MetricsConfig,
     RlfeedMetrics,
-    StepRecord,
+    reject_reason,
 )
 from rlfeed.service.metrics_http import MetricsServer
+from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler, StepRecord
+from rlfeed.service.testing import synthetic_groups
+from rlfeed.service.validation import validate_rollout_batch
 
 
 def make_step(rng: np.random.Generator, groups: int, group_size: int, max_len: int = 400):
@@ -56,6 +61,40 @@ def make_step(rng: np.random.Generator, groups: int, group_size: int, max_len: i
     return rollouts, columns
 
 
+def record_from_plan(plan, step: int, zero_advantage_groups_dropped: int = 0) -> StepRecord:
+    """The service's record of an assembled step (what the scheduler hands the metrics)."""
+    return StepRecord(
+        step=step,
+        num_rollouts=int(plan.kept.size),
+        num_groups=plan.num_groups,
+        zero_advantage_groups=plan.zero_advantage_groups,
+        zero_advantage_groups_dropped=zero_advantage_groups_dropped,
+        policy_token_count=plan.policy_token_count,
+        real_tokens=plan.real_tokens,
+        computed_positions=plan.computed_positions,
+        padded_positions=plan.padded_positions,
+        largest_microbatch_positions=plan.largest_microbatch_positions,
+        rank_imbalance=plan.rank_imbalance,
+        lockstep_efficiency=plan.lockstep_efficiency,
+        microbatches_per_rank=plan.microbatches_per_rank,
+        policy_version=0,
+        min_policy_version=0,
+        response_bytes=0,
+    )
+
+
+def step_record(**fields) -> StepRecord:
+    """A StepRecord with plausible figures, `fields` overriding them."""
+    values = dict(
+        step=0, num_rollouts=8, num_groups=2, zero_advantage_groups=1,
+        zero_advantage_groups_dropped=0, policy_token_count=100, real_tokens=400,
+        computed_positions=400, padded_positions=640, largest_microbatch_positions=300,
+        rank_imbalance=0.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
+        policy_version=0, min_policy_version=0, response_bytes=0,
+    )  # fmt: skip
+    return StepRecord(**{**values, **fields})
+
+
 def served_microbatches(plan, columns):
     return [
         [materialize_microbatch(columns, plan.microbatches[m], plan.advantages) for m in rank]
@@ -76,8 +115,8 @@ def test_step_metrics_equal_what_the_served_microbatches_contain(cost_model):
     config = StepConfig(token_budget=budget, world_size=world, cost_model=cost_model)
     plan = assemble_step(rollouts, config)
     served = served_microbatches(plan, columns)
-    metrics = RlfeedMetrics(MetricsConfig(world_size=world))
-    metrics.on_step(StepRecord.from_plan(plan, step=7, token_budget=budget))
+    metrics = RlfeedMetrics(MetricsConfig(world_size=world, token_budget=budget))
+    metrics.on_step(record_from_plan(plan, step=7))
 
     rows = [mb for rank in served for mb in rank]
     seq_lengths = np.concatenate([np.diff(mb.cu_seqlens) for mb in rows])
@@ -121,13 +160,13 @@ def zero_advantage_share_by_loop(rewards, group_ids) -> float:
 
 
 def test_zero_advantage_share_per_step_and_over_the_trailing_window():
-    metrics = RlfeedMetrics(MetricsConfig(zero_advantage_window_steps=3))
+    metrics = RlfeedMetrics(MetricsConfig(zero_advantage_window_steps=3, token_budget=2000))
     rng = np.random.default_rng(1)
     shares, counts = [], []
     for step in range(5):
         rollouts, _ = make_step(rng, groups=6 + step, group_size=4)
         plan = assemble_step(rollouts, StepConfig(token_budget=2000))
-        metrics.on_step(StepRecord.from_plan(plan, step=step, token_budget=2000))
+        metrics.on_step(record_from_plan(plan, step=step))
         share = zero_advantage_share_by_loop(rollouts.rewards, rollouts.group_ids)
         shares.append(share)
         counts.append((round(share * (6 + step)), 6 + step))
@@ -145,8 +184,7 @@ def test_groups_dropped_for_zero_advantage_count_towards_the_share():
     config = StepConfig(token_budget=2000, drop_zero_advantage=True)
     plan = assemble_step(rollouts, config)
     metrics = RlfeedMetrics()
-    record = StepRecord.from_plan(plan, step=0, token_budget=2000, zero_advantage_groups_dropped=3)
-    metrics.on_step(record)
+    metrics.on_step(record_from_plan(plan, step=0, zero_advantage_groups_dropped=3))
     expected = (plan.zero_advantage_groups + 3) / (plan.num_groups + 3)
     assert value(metrics, "rlfeed_step_zero_advantage_groups_ratio") == pytest.approx(expected)
 
@@ -175,28 +213,21 @@ def hand_priced_gpu_hours(cost: CostAssumptions, *, policy, real, computed, padd
 
 def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
     cost = CostAssumptions(model="qwen3-8b", gpu="h200", mfu=0.4, busy_fraction=0.5)
-    record = StepRecord(
-        step=0,
+    record = step_record(
         num_rollouts=512,
         num_groups=64,
-        zero_advantage_groups=0,
-        policy_tokens=512 * 5900,
+        policy_token_count=512 * 5900,
         real_tokens=512 * 23_600,
         computed_positions=512 * 23_600 + 100_000,
         padded_positions=512 * 60_000,
         microbatches_per_rank=24,
-        world_size=8,
-        token_budget=65536,
-        largest_microbatch_positions=65536,
-        rank_imbalance=0.01,
-        lockstep_efficiency=0.99,
     )
     metrics = RlfeedMetrics(MetricsConfig(cost=cost))
     metrics.on_step(record)
     metrics.on_step(record)  # cumulative counters add up
     hours = hand_priced_gpu_hours(
         cost,
-        policy=record.policy_tokens,
+        policy=record.policy_token_count,
         real=record.real_tokens,
         computed=record.computed_positions,
         padded=record.padded_positions,
@@ -217,15 +248,10 @@ def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
 
 
 def test_decode_is_priced_on_the_generated_tokens_when_the_record_has_them():
-    base = dict(
-        step=0, num_rollouts=8, num_groups=1, zero_advantage_groups=0, real_tokens=8000,
-        computed_positions=8000, padded_positions=9000, microbatches_per_rank=1, world_size=1,
-        token_budget=8000, largest_microbatch_positions=8000, rank_imbalance=0.0,
-        lockstep_efficiency=1.0, policy_tokens=2000,
-    )  # fmt: skip
+    record = step_record(policy_token_count=2000, real_tokens=8000, computed_positions=8000)
     plain, generated = RlfeedMetrics(), RlfeedMetrics()
-    plain.on_step(StepRecord(**base))
-    generated.on_step(StepRecord(**base, generated_policy_tokens=3000, generated_tokens=12000))
+    plain.on_step(record)
+    generated.on_step(record, generated_policy_tokens=3000, generated_tokens=12000)
     ratio = value(generated, "rlfeed_step_predicted_gpu_seconds", phase="decode") / value(
         plain, "rlfeed_step_predicted_gpu_seconds", phase="decode"
     )
@@ -291,19 +317,10 @@ def test_pass_rate_histogram_counts_tasks_at_or_below_each_bucket():
     assert value(metrics, "rlfeed_curriculum_tasks", filter="outside") == 150
 
 
-def record_for(step: int, world_size: int, ready_time: float | None = None) -> StepRecord:
-    return StepRecord(
-        step=step, num_rollouts=8, num_groups=2, zero_advantage_groups=1, policy_tokens=100,
-        real_tokens=400, computed_positions=400, padded_positions=640, microbatches_per_rank=1,
-        world_size=world_size, token_budget=512, largest_microbatch_positions=300,
-        rank_imbalance=0.5, lockstep_efficiency=0.66, ready_time=ready_time,
-    )  # fmt: skip
-
-
 def test_steps_served_latency_and_trainer_lag_follow_the_slowest_rank():
     metrics = RlfeedMetrics(MetricsConfig(world_size=2))
     for step in range(4):
-        metrics.on_step(record_for(step, 2, ready_time=100.0 + step))
+        metrics.on_step(step_record(step=step), ready_time=100.0 + step)
     assert value(metrics, "rlfeed_trainer_lag_steps") == 4  # nobody fetched: 3 - (-1)
     for step in range(3):
         metrics.on_served(step, 0, now=110.0)
@@ -379,7 +396,7 @@ def test_metrics_server_serves_metrics_and_the_newest_layout_on_loopback():
                 action_mask=columns.action_mask, step=0,
             )  # fmt: skip
 
-        metrics.on_step(StepRecord.from_plan(plan, step=0, token_budget=1200), layout=layout)
+        metrics.on_step(record_from_plan(plan, step=0), layout=layout)
         assert calls == []  # rendered lazily
         status, content_type, png = get(f"{server.url}/layout.png")
         assert status == 200 and content_type == "image/png"
@@ -387,3 +404,121 @@ def test_metrics_server_serves_metrics_and_the_newest_layout_on_loopback():
         assert get(f"{server.url}/layout.png")[2] == png and calls == [1]  # cached
         assert get(f"{server.url}/healthz")[0] == 200
     server.stop()  # idempotent
+
+
+def rejected(config, rollouts, mutate=None) -> ValueError:
+    """The error the sidecar's own checks raise for `rollouts` (after `mutate`)."""
+    scheduler = Scheduler(config)
+    scheduler.register_tasks([*sorted(set(rollouts.task_ids)), "known"])
+    if mutate is not None:
+        mutate(rollouts)
+    try:
+        arrays = decode_rollout_batch(rollouts.encode())
+        validate_rollout_batch(
+            arrays,
+            token_budget=config.batching.token_budget,
+            vocab_size=config.rollouts.vocab_size,
+            is_known_task=scheduler.is_known_task,
+        )
+        scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+    except (ValueError, BackpressureError) as exc:
+        return exc
+    raise AssertionError("the batch was accepted")
+
+
+def _tokens(row, token_ids):
+    def mutate(rollouts):
+        rollouts.token_ids[row] = np.asarray(token_ids, np.int32)
+        rollouts.action_mask[row] = np.zeros(len(token_ids), np.uint8)
+        rollouts.sampler_logprobs[row] = np.zeros(len(token_ids), np.float32)
+
+    return mutate
+
+
+def _set(name, row, value):
+    def mutate(rollouts):
+        getattr(rollouts, name)[row] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("expected", "mutate"),
+    [
+        ("too_long", _tokens(0, np.ones(300))),
+        ("length_mismatch", _set("action_mask", 1, np.zeros(1, np.uint8))),
+        ("non_finite", _set("rewards", 2, float("nan"))),
+        ("token_out_of_range", _tokens(3, np.full(5, 5000))),
+        ("unknown_task", _set("task_ids", 0, "nobody-registered-me")),
+        ("duplicate_in_batch", _set("rollout_ids", 1, "g0-r0")),
+        ("group_overflow", _set("group_ids", 4, "g0")),
+        ("group_overflow", _set("task_ids", 1, "known")),
+        ("malformed", _set("rollout_ids", 2, "")),
+        ("bad_action_mask", lambda rollouts: rollouts.action_mask[5].__setitem__(0, 1)),
+    ],
+)
+def test_reject_reason_names_what_the_sidecars_own_checks_found(expected, mutate):
+    config = SidecarConfig(
+        batching=BatchingConfig(token_budget=256), rollouts=RolloutsConfig(vocab_size=1000)
+    )
+    rollouts = synthetic_groups(
+        num_groups=2, group_size=4, rng=np.random.default_rng(0), max_length=64
+    )
+    assert reject_reason(rejected(config, rollouts, mutate)) == expected
+
+
+def test_reject_reason_of_undecodable_bytes_and_a_full_buffer():
+    with pytest.raises(ValueError) as info:
+        decode_rollout_batch(b"not arrow")
+    assert reject_reason(info.value) == "malformed"
+    assert reject_reason(BackpressureError("buffer full: 10 rollouts buffered")) == "buffer_full"
+    assert reject_reason("something new") == "other"
+
+
+def test_served_responses_become_the_layout_picture_once_every_rank_fetched():
+    pytest.importorskip("matplotlib")
+    config = SidecarConfig(
+        batching=BatchingConfig(token_budget=512, world_size=2),
+        rollouts=RolloutsConfig(prompts_per_step=4, group_size=4),
+    )
+    scheduler = Scheduler(config)
+    rollouts = synthetic_groups(
+        num_groups=4, group_size=4, rng=np.random.default_rng(5), max_length=200
+    )
+    scheduler.register_tasks(sorted(set(rollouts.task_ids)))
+    arrays = decode_rollout_batch(rollouts.encode())
+    scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+    assert scheduler.assemble_ready_steps() == [0]
+    metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
+    metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
+    payload = scheduler.fetch_batch(0, 0).payload
+    metrics.on_served(0, 0, response=payload, now=1.0)
+    assert metrics.latest_layout_png() is None  # rank 1 has not fetched it yet
+    metrics.on_served(0, 1, response=scheduler.fetch_batch(0, 1).payload, now=2.0)
+    step, png = metrics.latest_layout_png()
+    assert step == 0 and png.startswith(b"\x89PNG")
+    assert value(metrics, "rlfeed_step_latency_seconds_sum") == 2.0
+    record = scheduler.step_records[-1]
+    assert value(metrics, "rlfeed_step_real_tokens") == record.real_tokens
+    assert value(metrics, "rlfeed_step_fill_ratio") == pytest.approx(
+        record.real_tokens / (2 * record.microbatches_per_rank * 512)
+    )
+
+
+def test_refresh_pulls_levels_before_a_scrape_at_most_once_per_interval():
+    config = SidecarConfig()
+    scheduler = Scheduler(config)
+    scheduler.register_tasks([f"t{i}" for i in range(30)])
+    metrics = RlfeedMetrics(MetricsConfig(refresh_interval_s=3600))
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        metrics.on_status(scheduler.status())
+        raise RuntimeError("a failing pull is logged, the scrape still answers")
+
+    metrics.set_refresh(refresh)
+    assert b"rlfeed_curriculum_tasks" in metrics.exposition()
+    metrics.exposition()
+    assert calls == [1]
+    assert value(metrics, "rlfeed_curriculum_tasks", filter="inside") == 30
