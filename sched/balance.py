@@ -189,9 +189,10 @@ def _prepare(
     if repeated.size:
         raise ValueError(f"sequence {int(repeated[0])} appears in more than one microbatch")
     costs = _segment_costs(sizes[members], offsets, attention_weight, cost).tolist()
-    # Views into one int64 array: normalizes the dtype without copying per microbatch.
-    cuts = offsets.tolist()
-    result = [members[a:b] for a, b in itertools.pairwise(cuts)]
+    if all(isinstance(m, np.ndarray) and m.dtype == np.int64 for m in microbatches):
+        result = list(microbatches)  # already validated 1-D int64 arrays: share them
+    else:  # views into one int64 array: normalizes the dtype without a copy each
+        result = [members[a:b] for a, b in itertools.pairwise(offsets.tolist())]
     _equalize(sizes, result, costs, int(world_size), attention_weight, cost)
     return result, costs
 
@@ -218,18 +219,23 @@ def lockstep_figures(costs: ArrayLike, ranks: list[list[int]]) -> tuple[np.ndarr
 
     `costs[i]` is microbatch i's cost; `ranks` lists, per rank, microbatch indices by slot.
     """
-    costs = np.asarray(costs, dtype=np.float64)
     if not ranks:
         raise ValueError("an assignment needs at least one rank")
     if len({len(slots) for slots in ranks}) != 1:
         raise ValueError("every rank must run the same number of microbatches")
-    table = costs[np.asarray(ranks, dtype=np.int64).reshape(len(ranks), -1)]  # [rank, slot]
-    rank_cost = table.sum(axis=1)
+    table = np.asarray(ranks, dtype=np.int64).reshape(len(ranks), -1)
+    return _figures(np.asarray(costs, dtype=np.float64), table)
+
+
+def _figures(costs: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """lockstep_figures for a [rank, slot] table of microbatch indices."""
+    slot_costs = costs[table]
+    rank_cost = slot_costs.sum(axis=1)
     total = float(rank_cost.sum())
     if total <= 0.0:
         return rank_cost, 1.0, 1.0
-    imbalance = float(rank_cost.max()) / (total / len(ranks))
-    efficiency = total / (len(ranks) * float(table.max(axis=0).sum()))
+    imbalance = float(rank_cost.max()) / (total / table.shape[0])
+    efficiency = total / (table.shape[0] * float(slot_costs.max(axis=0).sum()))
     return rank_cost, imbalance, efficiency
 
 
@@ -256,17 +262,17 @@ def balance_ranks(
     round_costs = costs[by_cost].reshape(rounds, world_size).tolist()
     # The sequential part is tiny (world_size numbers per round); the table is filled at once.
     load = [0.0] * world_size
-    least_loaded = []
+    least_loaded: list[int] = []  # per round, ranks from least to most loaded
     for row in round_costs:
         ranking = sorted(range(world_size), key=load.__getitem__)
         for rank, value in zip(ranking, row, strict=True):
             load[rank] += value
-        least_loaded.append(ranking)
+        least_loaded.extend(ranking)
     table = np.empty((world_size, rounds), dtype=np.int64)  # [rank, slot] microbatch index
-    if rounds:
-        table[np.asarray(least_loaded).T, np.arange(rounds)] = by_cost.reshape(rounds, world_size).T
+    rank_of = np.array(least_loaded, dtype=np.int64).reshape(rounds, world_size)
+    table[rank_of, np.arange(rounds)[:, None]] = by_cost.reshape(rounds, world_size)
     ranks: list[list[int]] = table.tolist()
-    rank_cost, imbalance, efficiency = lockstep_figures(costs, ranks)
+    rank_cost, imbalance, efficiency = _figures(costs, table)
     return RankAssignment(
         microbatches=balanced,
         ranks=ranks,

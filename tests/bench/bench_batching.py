@@ -159,7 +159,7 @@ def time_planning(sizes: list[int]) -> None:
         )
     n = 10_000
     lengths, _ = long_tailed_workload(n, seed=n)
-    fast = median_seconds(lambda: token_budget_microbatches(lengths, BUDGET))
+    fast = median_seconds(lambda: token_budget_microbatches(lengths, BUDGET), repeats=5)
     started = time.perf_counter()
     naive = naive_first_fit_decreasing(lengths, BUDGET)
     textbook = time.perf_counter() - started
