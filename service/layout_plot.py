@@ -397,13 +397,13 @@ def render_layout_png(layout: StepLayout) -> bytes:
     )
     other_label = "prompt / tool tokens" if policy is not None else "tokens (no policy mask)"
     handles = [
-        Patch(color=COLORS[POLICY], label="policy tokens"),
+        *([Patch(color=COLORS[POLICY], label="policy tokens")] if policy is not None else []),
         Patch(color=COLORS[OTHER], label=other_label),
         Patch(color=COLORS[PADDING], label="padding"),
         Patch(facecolor=COLORS[EMPTY], edgecolor="#999999", label="unused token budget"),
         Patch(color=BOUNDARY_COLOR, label="sequence boundary"),
     ]
-    figure.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=9)
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
