@@ -8,8 +8,11 @@ what makes the scheduler's state changes a journal-able sequence.
 Bulk data stays out of the actor's method queue: `ingest_batch` gets one call per batch
 with small metadata arrays and `[ObjectRef]` of the batch's TokenColumns (wrapped in a list
 so Ray passes the reference instead of resolving it); the token data is read from the
-object store only when a step is materialized. Each rank's serialized response is
-`ray.put` once and handed out by reference.
+object store when a step is materialized, and that happens in the gRPC front-end that
+asked for the plan (`plan_ready_steps` -> materialize -> `store_step`), so the actor's
+queue only ever carries metadata, plans and finished responses. Each rank's serialized
+response is kept in the actor (bounded by `retained_steps`) and returned by
+`fetch_batch` in one call (Ray moves a large return value through the object store).
 
 Expected failures come back as values, `("ok", result)` / `("invalid", message)` /
 `("backpressure", message)`, rather than as Ray-wrapped exceptions.
@@ -29,15 +32,11 @@ def _resolve(handle: list) -> Any:
     return ray.get(handle[0])
 
 
-def _store(payload: bytes) -> list:
-    return [ray.put(payload)]
-
-
 class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
-        self._scheduler = Scheduler(config, resolve=_resolve, store=_store)
+        self._scheduler = Scheduler(config, resolve=_resolve)
 
     def ping(self) -> bool:
         return True
@@ -64,11 +63,19 @@ class SchedulerActor:
     def record_rejection(self) -> None:
         self._scheduler.record_rejection()
 
+    def plan_ready_steps(self) -> list:
+        """StepWork of every newly planned step; the caller materializes and stores it."""
+        return self._scheduler.plan_ready_steps()
+
+    def store_step(self, step: int, responses: list[bytes]) -> None:
+        self._scheduler.store_step(step, responses)
+
     def assemble_ready_steps(self) -> list[int]:
+        """Plan, materialize and store inside the actor (tools and tests)."""
         return self._scheduler.assemble_ready_steps()
 
     def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
-        """("ready", [ObjectRef of response bytes]) | ("waiting", next_step) |
+        """("ready", response bytes) | ("waiting", next_step) |
         ("released", next_step) | ("invalid", message)."""
         try:
             result = self._scheduler.fetch_batch(step, rank)

@@ -9,7 +9,9 @@ stored and served, so a re-fetch of (step, rank) is byte-identical by constructi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
@@ -20,6 +22,30 @@ from rlfeed.sched.assembly import (
     materialize_microbatch,
 )
 from rlfeed.service.codec import encode_microbatch
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """Everything needed to materialize one planned step, away from the scheduler."""
+
+    step: int
+    plan: StepPlan
+    rows: list[tuple[int, int]]  # per step rollout: (batch key, row in that batch)
+    rollout_ids: list[str]  # per step rollout
+    policy_versions: np.ndarray  # int64, per step rollout
+    payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
+
+
+def materialize_work(work: StepWork, resolve: Callable[[Any], TokenColumns]) -> list[bytes]:
+    """Serialized GetBatchResponse of every rank; `resolve(handle)` gives a batch's columns."""
+    return materialize_step(
+        step=work.step,
+        plan=work.plan,
+        rows=work.rows,
+        rollout_ids=work.rollout_ids,
+        policy_versions=work.policy_versions,
+        columns={key: resolve(handle) for key, handle in work.payloads.items()},
+    )
 
 
 def gather_step_columns(

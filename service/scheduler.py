@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from rlfeed.sched.curriculum import (
 )
 from rlfeed.service.codec import RolloutBatchArrays
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.materialize import materialize_step
+from rlfeed.service.materialize import StepWork, materialize_work
 from rlfeed.service.validation import rollout_error
 
 
@@ -135,8 +135,9 @@ class _Group:
 
 @dataclass
 class _Step:
-    payloads: list[Any]  # per rank
+    record: StepRecord
     num_rollouts: int
+    payloads: list[bytes] | None = None  # per rank, once materialized
     fetched: set[int] = field(default_factory=set)
 
 
@@ -166,9 +167,8 @@ class StatusSnapshot:
 class Scheduler:
     """All scheduling state of one sidecar. Not thread-safe: the actor serializes calls.
 
-    resolve(handle) -> TokenColumns turns an ingest payload handle into columns; store(bytes)
-    turns a serialized rank response into what `fetch_batch` hands out (identity in tests,
-    `ray.put` in the actor).
+    resolve(handle) -> TokenColumns turns an ingest payload handle into columns (identity in
+    tests, `ray.get` in the actor); it is used by `assemble_ready_steps` only.
     """
 
     def __init__(
@@ -176,11 +176,9 @@ class Scheduler:
         config: SidecarConfig,
         *,
         resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
-        store: Callable[[bytes], Any] = lambda payload: payload,
     ) -> None:
         self.config = config
         self._resolve = resolve
-        self._store = store
         self._step_config = config.step_config()
         self._curriculum = config.curriculum.curriculum_config()
         self._rng = np.random.default_rng(config.curriculum.seed)
@@ -410,16 +408,41 @@ class Scheduler:
 
     # ---- steps ----------------------------------------------------------------------
 
-    def assemble_ready_steps(self) -> list[int]:
-        """Assemble a step from every prompts_per_step complete groups; returns new steps."""
+    def plan_ready_steps(self) -> list[StepWork]:
+        """Plan a step from every prompts_per_step complete groups (in completion order).
+
+        Returns the work to materialize each new step; a step answers "not ready" until its
+        responses come back through `store_step`. The scheduler drops its references to
+        the batches' payloads here: the returned work items hold them.
+        """
         per_step = self.config.rollouts.prompts_per_step
-        new_steps = []
+        work = []
         while len(self._complete) >= per_step:
             groups = [self._complete.popitem(last=False) for _ in range(per_step)]
-            new_steps.append(self._assemble(groups))
-        return new_steps
+            work.append(self._plan(groups))
+        return work
 
-    def _assemble(self, groups: list[tuple[str, _Group]]) -> int:
+    def store_step(self, step: int, responses: list[bytes]) -> None:
+        """Keep the serialized response of every rank of a planned step (served as-is)."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is not None:
+            raise ValueError(f"step {step} is not waiting for its responses")
+        if len(responses) != self.config.batching.world_size:
+            raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
+        held.payloads = list(responses)
+        self.step_records.append(
+            replace(held.record, response_bytes=sum(len(r) for r in responses))
+        )
+
+    def assemble_ready_steps(self) -> list[int]:
+        """Plan, materialize (with `resolve`) and store every ready step; returns them."""
+        steps = []
+        for work in self.plan_ready_steps():
+            self.store_step(work.step, materialize_work(work, self._resolve))
+            steps.append(work.step)
+        return steps
+
+    def _plan(self, groups: list[tuple[str, _Group]]) -> StepWork:
         rows = sorted(
             ((row, index) for index, (_, group) in enumerate(groups) for row in group.rows),
             key=lambda item: item[0][0],  # arrival order
@@ -435,24 +458,18 @@ class Scheduler:
         )
         plan = assemble_step(step_rollouts, self._step_config)
         step = self._next_step
-        responses = materialize_step(
+        work = StepWork(
             step=step,
             plan=plan,
             rows=[(row[1], row[2]) for row in rows],
             rollout_ids=[row[3] for row in rows],
             policy_versions=versions,
-            columns={key: self._resolve(self._payloads[key][0]) for key in {r[1] for r in rows}},
+            payloads={key: self._payloads[key][0] for key in {row[1] for row in rows}},
         )
         for group_id, group in groups:
             self._release_rows(group.rows)
             self._closed[group_id] = "assembled"
         kept_versions = versions[plan.kept] if plan.kept.size else versions
-        self._steps[step] = _Step(
-            payloads=[self._store(response) for response in responses],
-            num_rollouts=len(rows),
-        )
-        self._rollouts_in_steps += len(rows)
-        self._next_step += 1
         record = StepRecord(
             step=step,
             num_rollouts=int(plan.kept.size),
@@ -469,14 +486,16 @@ class Scheduler:
             microbatches_per_rank=plan.microbatches_per_rank,
             policy_version=int(kept_versions.max()),
             min_policy_version=int(kept_versions.min()),
-            response_bytes=sum(len(r) for r in responses),
+            response_bytes=0,
         )
+        self._steps[step] = _Step(record=record, num_rollouts=len(rows))
+        self._rollouts_in_steps += len(rows)
+        self._next_step += 1
         self._zero_dropped_since_step = 0
-        self.step_records.append(record)
         self.counters.steps_assembled += 1
         self.counters.rollouts_trained += record.num_rollouts
         self.counters.policy_tokens_assembled += record.policy_token_count
-        return step
+        return work
 
     def fetch_batch(self, step: int, rank: int) -> FetchResult:
         """Rank `rank`'s stored response of `step`, and note the fetch (a state change: a
@@ -485,8 +504,8 @@ class Scheduler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         held = self._steps.get(step)
-        if held is None:
-            return FetchResult(ready=False, released=step < self._next_step)
+        if held is None or held.payloads is None:  # not planned, released, or materializing
+            return FetchResult(ready=False, released=held is None and step < self._next_step)
         if rank not in held.fetched:
             held.fetched.add(rank)
             if len(held.fetched) == world_size:

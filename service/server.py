@@ -30,6 +30,7 @@ from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.actors import create_scheduler_actor
 from rlfeed.service.codec import decode_rollout_batch
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.materialize import materialize_work
 from rlfeed.service.scheduler import BatchMeta, StatusSnapshot, StepRecord
 from rlfeed.service.validation import validate_rollout_batch
 
@@ -134,10 +135,13 @@ class SidecarServicer:
         )
 
     def _assemble(self) -> None:
-        new_steps = ray.get(self.actor.assemble_ready_steps.remote())
-        if new_steps:
+        """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
+        actor's), hand the responses back, then wake GetBatch calls waiting for them."""
+        for work in ray.get(self.actor.plan_ready_steps.remote()):
+            responses = materialize_work(work, resolve=lambda handle: ray.get(handle[0]))
+            ray.get(self.actor.store_step.remote(work.step, responses))
             with self._steps_changed:
-                self._known_next_step = max(self._known_next_step, max(new_steps) + 1)
+                self._known_next_step = max(self._known_next_step, work.step + 1)
                 self._steps_changed.notify_all()
 
     # ---- TaskSampling ---------------------------------------------------------------
@@ -167,7 +171,7 @@ class SidecarServicer:
         while True:
             kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
             if kind == "ready":
-                return ray.get(value[0])
+                return value
             if kind == "invalid":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
             if kind == "released":
