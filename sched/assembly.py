@@ -65,7 +65,9 @@ class StepRollouts:
         n = len(self.lengths)
         for name in ("policy_tokens", "rewards", "group_ids"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"StepRollouts.{name} has {len(getattr(self, name))} rows, not {n}")
+                raise ValueError(
+                    f"StepRollouts.{name} has {len(getattr(self, name))} rows, not {n}"
+                )
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,22 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
     kept = np.flatnonzero(keep)
     advantages = np.where(keep, advantages, np.float32(0.0)).astype(np.float32)
 
+    # Spreading packed sequences over a multiple of world_size microbatches keeps every rank
+    # equally loaded (splitting a few full bins afterwards leaves ~8% imbalance at 8 ranks).
+    spread_to = config.world_size if config.cost_model == "packed" else 1
     local_microbatches = token_budget_microbatches(
-        lengths[kept], config.token_budget, cost=config.cost_model, method=config.packing_method
+        lengths[kept],
+        config.token_budget,
+        cost=config.cost_model,
+        method=config.packing_method,
+        multiple_of=spread_to,
     )
     assignment = balance_ranks(
         lengths[kept],
         local_microbatches,
         config.world_size,
         attention_weight=config.attention_weight,
+        cost=config.cost_model,
     )
     # Microbatches index into the kept subset; re-express them over the input rollouts.
     microbatches = [kept[m] for m in assignment.microbatches]
@@ -241,8 +251,6 @@ def materialize_microbatch(
         sampler_logprobs=next_token_targets(
             columns.sampler_logprobs[positions].astype(np.float32), layout, fill=0.0
         ),
-        advantages=np.where(loss_mask > 0, per_token_advantage, np.float32(0.0)).astype(
-            np.float32
-        ),
+        advantages=np.where(loss_mask > 0, per_token_advantage, np.float32(0.0)).astype(np.float32),
         rollout_index=rollout_index,
     )

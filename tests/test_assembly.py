@@ -87,7 +87,9 @@ def test_materialized_microbatch_reproduces_each_rollout_alone():
             np.testing.assert_array_equal(mb.position_ids[a:b], np.arange(stop - start))
             # Position t predicts token t+1 of the same rollout; the last predicts nothing.
             np.testing.assert_array_equal(mb.target_ids[a : b - 1], alone_tokens[1:])
-            np.testing.assert_array_equal(mb.loss_mask[a : b - 1], columns.action_mask[start + 1 : stop])
+            np.testing.assert_array_equal(
+                mb.loss_mask[a : b - 1], columns.action_mask[start + 1 : stop]
+            )
             assert mb.loss_mask[b - 1] == 0 and mb.target_ids[b - 1] == 0
             np.testing.assert_array_equal(
                 mb.sampler_logprobs[a : b - 1], columns.sampler_logprobs[start + 1 : stop]
