@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-
 from rlfeed.sched.advantages import AdvantageMode, group_advantages, zero_advantage_groups
 from rlfeed.sched.balance import balance_ranks
 from rlfeed.sched.budgets import CostModel, microbatch_positions, token_budget_microbatches

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rlfeed.sched.assembly import (
     StepConfig,
     StepRollouts,
@@ -63,7 +62,7 @@ def test_every_kept_rollout_is_in_exactly_one_microbatch_and_every_rank_has_the_
 
 
 def test_zero_advantage_groups_are_counted_and_dropped_only_when_configured():
-    rollouts, columns = make_step(np.random.default_rng(2), groups=6, group_size=4)
+    rollouts, _ = make_step(np.random.default_rng(2), groups=6, group_size=4)
     keep_all = assemble_step(rollouts, StepConfig(token_budget=4096))
     drop = assemble_step(rollouts, StepConfig(token_budget=4096, drop_zero_advantage=True))
     assert keep_all.zero_advantage_groups == drop.zero_advantage_groups >= 1
@@ -102,7 +101,7 @@ def test_materialized_microbatch_reproduces_each_rollout_alone():
 
 
 def test_assembly_is_a_deterministic_function_of_its_inputs():
-    rollouts, columns = make_step(np.random.default_rng(4), groups=8, group_size=8)
+    rollouts, _ = make_step(np.random.default_rng(4), groups=8, group_size=8)
     config = StepConfig(token_budget=3000, world_size=4)
     first, second = assemble_step(rollouts, config), assemble_step(rollouts, config)
     assert first.ranks == second.ranks
