@@ -136,7 +136,6 @@ class FleetStats:
 
 
 def run_fleet(
-    transport,
     writer,
     tasks: SyntheticTasks,
     *,
@@ -148,7 +147,7 @@ def run_fleet(
 ) -> FleetStats:
     """Sample tasks from the sidecar and submit groups until `stop` is set.
 
-    transport: anything with `sample_tasks(n) -> list[str]`; writer: a `RolloutWriter`.
+    writer: a `RolloutWriter` (its `sample_tasks` asks the sidecar which tasks to run).
     `ready()` throttles the fleet (False = the sidecar has enough steps queued); the fleet
     polls it instead of producing without bound.
     """
@@ -159,7 +158,7 @@ def run_fleet(
         if not ready():
             time.sleep(0.02)
             continue
-        task_ids = transport.sample_tasks(config.tasks_per_request)
+        task_ids = writer.sample_tasks(config.tasks_per_request)
         if not task_ids:
             time.sleep(0.05)
             continue

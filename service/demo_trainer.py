@@ -152,7 +152,7 @@ def grpo_step(model, optimizer, step, *, world_size: int, lr_clip: float = 1.0) 
             norm_const=norm_const,
         )
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         trainer_lp.append(logprobs.detach())
         sampler_lp.append(mb.sampler_logprobs)
         masks.append(mb.loss_mask)
@@ -199,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-step", type=int, default=0, help="first step to fetch")
     parser.add_argument("--vocab-size", type=int, default=TinyModelConfig.vocab_size)
     parser.add_argument("--seed", type=int, default=0, help="initial weights")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     parser.add_argument("--summary-file", help="rank 0 writes per-step figures here (JSON lines)")
     parser.add_argument("--timeout", type=float, default=120.0, help="max wait per step, s")
 
