@@ -40,7 +40,9 @@ class ServerConfig:
     max_message_bytes: int = _f(
         512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
     )
-    max_workers: int = _f(16, "gRPC handler threads (concurrent calls, incl. waiting GetBatch)")
+    max_workers: int = _f(
+        64, "gRPC handler threads; each open SubmitRollouts stream and waiting GetBatch holds one"
+    )
     max_wait_seconds: float = _f(
         60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
     )

@@ -15,6 +15,7 @@ are (a pass-through serializer), so a re-fetch is byte-identical.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent import futures
@@ -38,6 +39,23 @@ SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
 # signal (another front-end may have assembled it).
 _POLL_SECONDS = 0.25
+
+
+def _unavailable_when_ray_fails(handler):
+    """A dead scheduler actor or Ray connection answers UNAVAILABLE (retryable), not
+    UNKNOWN with a traceback."""
+
+    @functools.wraps(handler)
+    def wrapped(self, request, context):
+        try:
+            return handler(self, request, context)
+        except ray.exceptions.RayError as exc:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"scheduler unavailable: {type(exc).__name__}: {str(exc)[:500]}",
+            )
+
+    return wrapped
 
 
 def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
@@ -104,6 +122,7 @@ class SidecarServicer:
         for request in request_iterator:
             yield self.SubmitRolloutBatch(request, context)
 
+    @_unavailable_when_ray_fails
     def SubmitRolloutBatch(self, request: pb.RolloutBatch, context) -> pb.SubmitAck:
         try:
             arrays = decode_rollout_batch(request.arrow_ipc)
@@ -146,6 +165,7 @@ class SidecarServicer:
 
     # ---- TaskSampling ---------------------------------------------------------------
 
+    @_unavailable_when_ray_fails
     def RegisterTasks(self, request: pb.RegisterTasksRequest, context):
         kind, result = ray.get(self.actor.register_tasks.remote(list(request.task_ids)))
         if kind != "ok":
@@ -153,6 +173,7 @@ class SidecarServicer:
         added, total = result
         return pb.RegisterTasksResponse(added=added, total_tasks=total)
 
+    @_unavailable_when_ray_fails
     def SampleTasks(self, request: pb.SampleTasksRequest, context):
         _, result = ray.get(self.actor.sample_tasks.remote(int(request.n)))
         return pb.SampleTasksResponse(
@@ -161,6 +182,7 @@ class SidecarServicer:
 
     # ---- BatchServing ---------------------------------------------------------------
 
+    @_unavailable_when_ray_fails
     def GetBatch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
         step, rank = int(request.step), int(request.rank)
         wait = min(request.timeout_ms / 1000.0, self.config.server.max_wait_seconds)
@@ -189,6 +211,7 @@ class SidecarServicer:
                     timeout=min(remaining, _POLL_SECONDS),
                 )
 
+    @_unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
         report = {
             "step": int(request.step),
@@ -202,6 +225,7 @@ class SidecarServicer:
 
     # ---- SidecarStatus --------------------------------------------------------------
 
+    @_unavailable_when_ray_fails
     def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
         return status_to_proto(ray.get(self.actor.status.remote()), self.config)
 

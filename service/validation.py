@@ -76,6 +76,17 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
         )
 
 
+def _check_versions(batch: RolloutBatchArrays) -> None:
+    negative = np.flatnonzero(batch.policy_versions < 0)
+    if negative.size:
+        row = int(negative[0])
+        raise rollout_error(
+            batch.rollout_ids[row],
+            "policy_version",
+            f"{int(batch.policy_versions[row])} is negative; versions count up from 0",
+        )
+
+
 def _check_finite(batch: RolloutBatchArrays) -> None:
     bad_reward = np.flatnonzero(~np.isfinite(batch.rewards))
     if bad_reward.size:
@@ -135,12 +146,14 @@ def validate_rollout_batch(
     """Raise InvalidBatchError for the first broken rule, else return None.
 
     Rules: non-empty unique rollout ids; non-empty task/group ids; per rollout, token_ids,
-    action_mask and sampler_logprobs of equal length 1..token_budget; finite rewards and
+    action_mask and sampler_logprobs of equal length 1..token_budget; policy_version >= 0;
+    finite rewards and
     log-probs; 0 <= token id < vocab_size (vocab_size 0: only >= 0); action mask values 0/1
     with action_mask[0] == 0; every task known (when `is_known_task` is given).
     """
     _check_ids(batch)
     _check_lengths(batch, token_budget)
+    _check_versions(batch)
     _check_finite(batch)
     _check_tokens(batch, vocab_size)
     if is_known_task is not None:

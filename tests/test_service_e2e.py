@@ -251,6 +251,50 @@ def test_bad_batches_get_invalid_argument_and_leave_the_service_intact(
     assert sorted(served) == sorted(rollouts.rollout_ids)
 
 
+def test_a_rejected_batch_ends_its_stream_but_keeps_the_batches_acknowledged_before(
+    make_sidecar, client_for
+) -> None:
+    sidecar = make_sidecar(rollouts=GROUPS)
+    client = client_for(sidecar)
+    rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(5))
+    _register(client, rollouts)
+    broken = _corrupt(rollouts, 5, "rewards", float("nan"))
+    stream = client.ingest.SubmitRollouts(
+        iter(
+            [
+                pb.RolloutBatch(arrow_ipc=rollouts.encode(range(4)), sequence=1),
+                pb.RolloutBatch(arrow_ipc=broken.encode(range(4, 8)), sequence=2),
+                pb.RolloutBatch(arrow_ipc=rollouts.encode(range(4, 8)), sequence=3),
+            ]
+        ),
+        timeout=30,
+    )
+    assert next(stream).accepted == 4
+    with pytest.raises(grpc.RpcError) as error:
+        next(stream)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rollout 'g1-r1': field reward" in error.value.details()
+    assert client.get_status().buffered_rollouts == 4  # batch 3 was never read
+    assert client.submit(rollouts, range(4, 8)).accepted == 4
+    check_served_step(client.step_bytes(0, 1), rollouts)
+
+
+def test_a_full_buffer_answers_resource_exhausted_until_ranks_fetch(
+    make_sidecar, client_for
+) -> None:
+    sidecar = make_sidecar(rollouts={**GROUPS, "max_buffered_rollouts": 8})
+    client = client_for(sidecar)
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(6))
+    _register(client, rollouts)
+    assert client.submit(rollouts, range(8)).accepted == 8  # step 0, not fetched yet
+    with pytest.raises(grpc.RpcError) as error:
+        client.submit(rollouts, range(8, 12))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_buffered_rollouts" in error.value.details()
+    client.step_bytes(0, 1)
+    assert client.submit(rollouts, range(8, 16)).accepted == 8
+
+
 def test_get_batch_waits_for_its_step_and_answers_not_ready_after_the_timeout(
     make_sidecar, client_for
 ) -> None:

@@ -60,6 +60,10 @@ BROKEN = {
     "action_mask longer than token_ids": (_grow("action_mask"), "action_mask"),
     "log-probs longer than token_ids": (_grow("sampler_logprobs"), "sampler_logprobs"),
     "longer than the token budget": (_too_long, "token_ids"),
+    "negative policy version": (
+        lambda r: r.policy_versions.__setitem__(4, -1),
+        "policy_version",
+    ),
     "NaN reward": (lambda r: r.rewards.__setitem__(4, float("nan")), "reward"),
     "infinite reward": (lambda r: r.rewards.__setitem__(4, float("inf")), "reward"),
     "NaN log-prob": (_set_token("sampler_logprobs", np.nan), "sampler_logprobs"),
