@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -166,3 +167,63 @@ def test_demo_step_picture_has_the_right_size_and_shows_all_three_token_kinds():
         r, g, b = rgb(COLORS[kind])
         assert present.get(r << 16 | g << 8 | b, 0) > 1000, f"too little {COLORS[kind]}"
     assert rgb_pixels.std() > 30
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_layout_command_draws_the_example_and_a_lengths_file_offline(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from rlfeed.service.cli import main
+
+    assert main(["layout", "--example", "-o", str(tmp_path / "example.png")]) == 0
+    assert png_size(tmp_path / "example.png")[0] == 1600
+    assert "64 sequences" in capsys.readouterr().out
+    spec = {"lengths": [5, 3, 8], "action_masks": [[0, 1, 1, 0, 1], [0, 0, 1], [0] * 8]}
+    (tmp_path / "lengths.json").write_text(json.dumps(spec))
+    assert main(["layout", "--lengths", str(tmp_path / "lengths.json"), "--budget", "8",
+                 "--world-size", "1", "-o", str(tmp_path / "json.png")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "3 sequences, 16 tokens; padded 24 positions (33% padding)" in out
+    (tmp_path / "lengths.txt").write_text("# lengths\n40\n12\n")
+    code = main(["layout", "--lengths", str(tmp_path / "lengths.txt"), "--budget", "20",
+                 "-o", str(tmp_path / "x.png")])  # fmt: skip
+    assert code == 2
+    assert "lengths[0] = 40 is longer than --budget 20" in capsys.readouterr().err
+    code = main(["layout", "--example", "--step", "3", "-o", str(tmp_path / "y.png")])
+    assert code == 2
+
+
+def test_layout_command_draws_a_served_step_of_a_running_sidecar(make_sidecar, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from rlfeed.client.transport import GrpcTransport
+    from rlfeed.proto import rlfeed_pb2 as pb
+    from rlfeed.service.cli import main
+    from rlfeed.service.testing import synthetic_groups
+
+    sidecar = make_sidecar(
+        rollouts={"prompts_per_step": 2, "group_size": 4},
+        batching={"world_size": 2, "token_budget": 256},
+    )
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(0))
+    transport = GrpcTransport(sidecar.address)
+    try:
+        transport.register_tasks(sorted(set(rollouts.task_ids)))
+        transport.submit(pb.RolloutBatch(arrow_ipc=rollouts.encode()))
+        for rank in range(2):  # the trainers take step 0; step 1 waits for them
+            assert transport.get_batch(0, rank, 10.0).ready
+    finally:
+        transport.close()
+    output = tmp_path / "served.png"
+    assert main(["layout", "--address", sidecar.address, "-o", str(output)]) == 0
+    assert "step 0, 8 sequences" in capsys.readouterr().out
+    assert png_size(output)[0] == 1600
+    assert main(["layout", "--address", sidecar.address, "--step", "1", "-o", str(output)]) == 1
+    assert "still waiting for ranks [0, 1]" in capsys.readouterr().err
+    code = main(["layout", "--address", sidecar.address, "--step", "1", "--force", "-o",
+                 str(output)])  # fmt: skip
+    assert code == 0
