@@ -12,21 +12,27 @@ Wiring (each call is cheap and thread-safe; `actor` is the scheduler actor):
     metrics.set_refresh(lambda: metrics.on_status(ray.get(actor.status.remote())))
     server = MetricsServer(metrics, host=config.server.host,
                            port=config.server.metrics_port).start()
-    # SubmitRolloutBatch, after the ack / on INVALID_ARGUMENT or RESOURCE_EXHAUSTED:
-    metrics.on_ingest(accepted=..., accepted_tokens=..., duplicate=..., stale=...,
-                      ack_seconds=..., buffered_rollouts=...)
+    # SubmitRolloutBatch, after the ack / when it rejects the batch:
+    metrics.on_ingest(accepted=r.accepted, accepted_tokens=..., duplicate=r.duplicate,
+                      stale=r.stale, ack_seconds=time.monotonic() - t_received,
+                      buffered_rollouts=r.buffered_rollouts,
+                      newest_policy_version=r.newest_policy_version)
     metrics.on_reject(reject_reason(exc), rollouts=len(arrays), tokens=...)
-    # _assemble(), with t0 = time.time() taken before assemble_ready_steps:
-    for record in ray.get(actor.step_records.remote(min(new_steps))):
-        metrics.on_step(record, ready_time=t0)
-    # GetBatch, when it returns a ready response (the bytes feed /layout.png):
-    metrics.on_served(step, rank, response=response_bytes)
+    # _assemble(), t0 = time.time() before plan_ready_steps, per stored step `work`:
+    metrics.on_step(record_of(work.step), ready_time=t0,
+                    layout=functools.partial(layout_from_batch_responses, responses,
+                                             token_budget=config.batching.token_budget))
+    # GetBatch, when it returns a ready response:
+    metrics.on_served(step, rank)   # (response=bytes feeds /layout.png if on_step had none)
     # SampleTasks / ReportTrainerMetrics:
-    metrics.on_task_sample(requested=n, returned=len(ids), revisits=sum(revisit),
-                           group_size=config.rollouts.group_size)
+    metrics.on_task_sample(requested=request.n or prompts_per_step, returned=len(ids),
+                           revisits=sum(revisit), group_size=config.rollouts.group_size)
     metrics.on_trainer_report(step=..., rank=..., loss=..., ratio_outlier_share=...,
                               tokens_per_second=..., step_seconds=...)
     server.stop()
+
+`record_of(step)` is the scheduler's `StepRecord` of that step (`actor.step_records`), or
+anything with its field names (the proto's StepStats has them too).
 
 Definitions where a number could mean several things:
 - fill: real tokens / (world_size x microbatches_per_rank x token_budget), the share of the
