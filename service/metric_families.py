@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeHistogramMetricFamily
 
 if TYPE_CHECKING:
-    from rlfeed.service.metrics import CostAssumptions, StepFigures, StepPrice
+    from rlfeed.service.metric_figures import CostAssumptions, StepFigures, StepPrice
 
 # Why a batch was rejected (the `reason` label); anything else counts as "other".
 REJECT_REASONS: tuple[str, ...] = (
