@@ -253,3 +253,58 @@ def test_closed_writer_refuses_writes(recording):
     writer.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         writer.write(**rollout(0))
+
+
+# ---------------------------------------------------------------------------------------
+# Over real gRPC and a real Ray-hosted scheduler
+
+
+def grpc_sidecar(make_sidecar, **rollouts):
+    return make_sidecar(
+        batching={"token_budget": 256},
+        rollouts={"prompts_per_step": 2, "group_size": 2, "vocab_size": 100, **rollouts},
+    )
+
+
+def test_writer_over_grpc_gets_acks_and_the_server_message(make_sidecar):
+    sidecar = grpc_sidecar(make_sidecar)
+    with RolloutWriter(sidecar.address, max_batch_rollouts=2) as writer:
+        assert writer.register_tasks(["t0", "t1"]) == 2
+        assert set(writer.sample_tasks(2)) <= {"t0", "t1"}
+        for i in range(4):
+            writer.write(**rollout(i))
+        acks = writer.flush()
+        assert [(a.sequence, a.accepted) for a in acks] == [(0, 2), (1, 2)]
+        writer.write(**rollout(4, token_ids=np.full(5, 100, np.int32)))  # vocab_size is 100
+        with pytest.raises(InvalidRolloutsError, match=r"rollout 'r4'.*token_ids") as caught:
+            writer.flush()
+        assert caught.value.code == "INVALID_ARGUMENT"
+        writer.write(**rollout(5))
+        writer.write(**rollout(6, group="g2b"))
+    from rlfeed.client.transport import GrpcTransport
+
+    transport = GrpcTransport(sidecar.address)
+    counters = transport.status().counters
+    transport.close()
+    assert (counters.rollouts_accepted, counters.batches_rejected) == (6, 1)
+
+
+def test_sidecar_backpressure_over_grpc_blocks_until_a_trainer_fetches(make_sidecar):
+    sidecar = grpc_sidecar(make_sidecar, max_buffered_rollouts=4)
+    from rlfeed.client.transport import GrpcTransport
+
+    transport = GrpcTransport(sidecar.address)
+    writer = RolloutWriter(transport, max_batch_rollouts=2, retry_backoff_s=0.005)
+    writer.register_tasks(["t0"])
+    for i in range(4):
+        writer.write(**rollout(i))  # one full step, not fetched: the sidecar's buffer is full
+    writer.flush()
+    writer.write(**rollout(4))
+    writer.write(**rollout(5))
+    with pytest.raises(TimeoutError):
+        writer.flush(timeout_s=0.5)  # RESOURCE_EXHAUSTED, retried
+    assert transport.get_batch(0, 0, 1.0).ready
+    writer.flush(timeout_s=10)
+    writer.close()
+    assert transport.status().counters.rollouts_accepted == 6
+    transport.close()
