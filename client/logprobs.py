@@ -180,14 +180,24 @@ class _CheckpointedLogProbs(torch.autograd.Function):
             stop = min(start + chunk_size, tokens)
             with torch.no_grad():
                 logits = _logits(hidden[start:stop], weight, bias, temperature)
-                chunk_lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(-1, targets[start:stop, None].long()).squeeze(-1)
+                # A log-sum-exp computed in place: torch.logsumexp would hold a second
+                # [chunk, V] buffer.
+                peak = logits.amax(dim=-1, keepdim=True)
+                shifted = logits.sub_(peak)
+                if entropy is None:
+                    total = shifted.exp_().sum(-1)
+                else:
+                    # H = log S - sum(exp(z') * z') / S with z' = z - max, S = sum(exp(z')).
+                    exp_shifted = shifted.exp()
+                    total = exp_shifted.sum(-1)
+                    weighted = exp_shifted.mul_(shifted).sum(-1)
+                    entropy[start:stop] = total.log() - weighted / total
+                    del exp_shifted
+                chunk_lse = total.log_().add_(peak.squeeze(-1))
                 log_probs[start:stop] = picked - chunk_lse
                 log_sum_exp[start:stop] = chunk_lse
-                if entropy is not None:
-                    log_softmax = logits.sub_(chunk_lse[:, None])
-                    entropy[start:stop] = -(log_softmax.exp() * log_softmax).sum(-1)
-            del logits
+            del logits, shifted
         ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, entropy)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         if entropy is None:

@@ -1,0 +1,264 @@
+"""Chapter 14.3's memory of logits: full vs chunked vs checkpointed log-probs.
+
+    .venv/bin/python tests/bench/bench_logprobs_memory.py              # CPU table, ~2 min
+    .venv/bin/python tests/bench/bench_logprobs_memory.py --device cuda  # Qwen3-0.6B head
+
+What it measures: peak memory and wall time of one forward + backward pass through an
+output layer alone (random hidden states stand in for the last layer's output; the loss is
+the sum of the target log-probs; gradients for hidden states and the weight), for the
+three implementations in `rlfeed.client.logprobs`, at two token counts a factor 4 apart.
+Each configuration runs in its own subprocess so peaks do not mix:
+
+* CPU (default: hidden 1024, vocab 32,000, fp32, 2,048 and 8,192 tokens, chunk 1,024):
+  the peak is the resident-set high-water mark above the baseline taken after the inputs
+  are allocated and a small warm-up pass ran (Linux: VmHWM reset through
+  /proc/self/clear_refs; elsewhere ru_maxrss, which cannot be reset).
+  "beyond grads" subtracts the gradients the pass returns ([T, D] + [V, D]): the working
+  memory, which for the checkpointed pass should not depend on T at all.
+* CUDA (`--device cuda`, or `auto` when a GPU is present: the chapter's Qwen3-0.6B head,
+  hidden 1024, vocab 151,936, bf16, 4,096 and 16,384 tokens): torch.cuda.max_memory_allocated
+  after a reset, printed in absolute GB next to the chapter's figures (full 7.5 / 29.9 GB,
+  chunked 11.2 GB at 16k, checkpointed 2.2 GB at both lengths).
+
+Targets checked at the end: the checkpointed peak changes by < 10% between the two token
+counts; at the larger count it is >= 5x below the full computation's; its time is <= 1.5x
+the full computation's (it does one extra output-layer matmul). Time is wall time on CUDA
+and the process's CPU time on CPU (wall time is printed too; it swings with other load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("full", "chunked", "checkpointed")
+# The chapter's Qwen3-0.6B figures (GB, peak allocator memory, absolute).
+CHAPTER_GB = {
+    ("full", 4096): 7.5,
+    ("full", 16384): 29.9,
+    ("chunked", 16384): 11.2,
+    ("checkpointed", 4096): 2.2,
+    ("checkpointed", 16384): 2.2,
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Setting:
+    device: str  # "cpu" or "cuda"
+    hidden: int  # model width D
+    vocab: int  # vocabulary size V
+    dtype: str  # "float32" or "bfloat16"
+    tokens: tuple[int, int]  # the two token counts, a factor 4 apart
+    chunk_size: int  # tokens per chunk for chunked and checkpointed
+
+
+CPU = Setting(
+    device="cpu", hidden=1024, vocab=32_000, dtype="float32", tokens=(2048, 8192), chunk_size=1024
+)
+CUDA = Setting(
+    device="cuda",
+    hidden=1024,
+    vocab=151_936,
+    dtype="bfloat16",
+    tokens=(4096, 16384),
+    chunk_size=1024,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Worker: one configuration in a fresh process
+
+
+def _rss_kib(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+)", status).group(1))
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_worker(method: str, tokens: int, setting: Setting) -> dict:
+    import torch
+    from rlfeed.client.logprobs import checkpointed_log_probs, chunked_log_probs, full_log_probs
+
+    device, dtype = torch.device(setting.device), getattr(torch, setting.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(tokens, setting.hidden, generator=generator, device=device, dtype=dtype)
+    weight = torch.randn(setting.vocab, setting.hidden, generator=generator, device=device)
+    weight = (weight / setting.hidden**0.5).to(dtype)
+    targets = torch.randint(0, setting.vocab, (tokens,), generator=generator, device=device)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    kwargs = {} if method == "full" else {"chunk_size": setting.chunk_size}
+    fn = {"full": full_log_probs, "chunked": chunked_log_probs}.get(method, checkpointed_log_probs)
+
+    def step(hidden: torch.Tensor, targets: torch.Tensor) -> None:
+        log_probs = fn(hidden, weight, targets, **kwargs)
+        # autograd.grad returns fresh gradients: nothing accumulates across passes.
+        grads = torch.autograd.grad(log_probs.sum(), (hidden, weight))
+        del grads, log_probs
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # Warm-up (kernels, thread pools, allocator) on separate small leaves: slicing the
+    # measured inputs would add a T-sized gradient copy (SliceBackward) to the measurement.
+    step(hidden[:64].detach().clone().requires_grad_(True), targets[:64])
+    gc.collect()
+    synchronize()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    elif _reset_peak_rss():
+        baseline = _rss_kib("VmRSS") * 1024
+    else:
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start, start_cpu = time.perf_counter(), time.process_time()
+    step(hidden, targets)
+    synchronize()
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        return {"increase": peak - baseline, "absolute": peak, "seconds": seconds}
+    result = {"seconds": seconds, "cpu_seconds": cpu_seconds}
+    if Path("/proc/self/clear_refs").exists():
+        peak = _rss_kib("VmHWM") * 1024
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result | {"increase": peak - baseline, "absolute": peak}
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+
+
+def measure(method: str, tokens: int, setting: Setting) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        str(tokens),
+        json.dumps(setting.__dict__),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{method} at {tokens} tokens failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gradient_bytes(tokens: int, setting: Setting) -> int:
+    """Bytes of the backward pass's outputs: the [T, D] hidden and [V, D] weight gradients."""
+    element = 2 if setting.dtype == "bfloat16" else 4
+    return (tokens + setting.vocab) * setting.hidden * element
+
+
+def report(setting: Setting) -> bool:
+    print(
+        f"\n{setting.device}: hidden {setting.hidden}, vocab {setting.vocab:,}, {setting.dtype}, "
+        f"chunk {setting.chunk_size}; forward + backward of the output layer"
+    )
+    header = f"{'method':<13}{'tokens':>8}{'peak increase':>15}{'beyond grads':>15}{'wall':>9}"
+    # On a shared CPU, wall time moves with other load; the process's CPU time much less.
+    clock = "seconds" if setting.device == "cuda" else "cpu_seconds"
+    if setting.device == "cpu":
+        header += f"{'cpu time':>10}"
+    if setting.device == "cuda":
+        header += f"{'peak (abs)':>12}{'chapter':>10}"
+    print(header)
+    results = {}
+    for tokens in setting.tokens:
+        for method in METHODS:
+            result = measure(method, tokens, setting)
+            result["working"] = result["increase"] - gradient_bytes(tokens, setting)
+            results[method, tokens] = result
+            line = (
+                f"{method:<13}{tokens:>8,}{result['increase'] / 2**30:>12.2f} GB"
+                f"{result['working'] / 2**30:>12.2f} GB{result['seconds']:>8.2f}s"
+            )
+            if setting.device == "cpu":
+                line += f"{result['cpu_seconds']:>9.2f}s"
+            if setting.device == "cuda":
+                chapter = CHAPTER_GB.get((method, tokens))
+                line += f"{result['absolute'] / 1e9:>9.1f} GB"
+                line += f"{chapter:>7.1f} GB" if chapter else ""
+            print(line, flush=True)
+    small, large = setting.tokens
+    checkpointed = [results["checkpointed", tokens] for tokens in setting.tokens]
+    growth = checkpointed[1]["increase"] / checkpointed[0]["increase"] - 1
+    working_growth = checkpointed[1]["working"] / checkpointed[0]["working"] - 1
+    below_full = results["full", large]["increase"] / checkpointed[1]["increase"]
+    time_ratio = checkpointed[1][clock] / results["full", large][clock]
+    checks = [
+        (
+            f"checkpointed peak change {small:,} -> {large:,} tokens",
+            f"{growth:+.1%}",
+            "< 10%",
+            abs(growth) < 0.10,
+        ),
+        (
+            f"full / checkpointed peak at {large:,} tokens",
+            f"{below_full:.1f}x",
+            ">= 5x",
+            below_full >= 5,
+        ),
+        (
+            f"checkpointed / full time at {large:,} tokens",
+            f"{time_ratio:.2f}x",
+            "<= 1.5x",
+            time_ratio <= 1.5,
+        ),
+    ]
+    for name, value, target, ok in checks:
+        print(f"  {name}: {value} (target {target}) {'ok' if ok else 'MISSED'}")
+    hidden_grad_growth = (
+        (large - small) * setting.hidden * (2 if setting.dtype == "bfloat16" else 4)
+    )
+    print(
+        f"  beyond the gradients it returns, the checkpointed peak changes {working_growth:+.1%}; "
+        f"the [T, D] hidden gradient alone grows by {hidden_grad_growth / 2**20:.0f} MiB"
+    )
+    return all(ok for *_, ok in checks)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _, _, method, tokens, setting = sys.argv
+        print(json.dumps(run_worker(method, int(tokens), Setting(**json.loads(setting)))))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--chunk-size", type=int, default=None, help="override the chunk size")
+    args = parser.parse_args()
+    import torch
+
+    settings = []
+    if args.device in ("auto", "cpu"):
+        settings.append(CPU)
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        settings.append(CUDA)
+    ok = True
+    for setting in settings:
+        if args.chunk_size:
+            setting = Setting(**{**setting.__dict__, "chunk_size": args.chunk_size})
+        setting = Setting(**{**setting.__dict__, "tokens": tuple(setting.tokens)})
+        ok &= report(setting)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
