@@ -9,10 +9,9 @@ Bulk data stays out of the actor's method queue: `ingest_batch` gets one call pe
 with small metadata arrays and `[ObjectRef]` of the batch's TokenColumns (wrapped in a list
 so Ray passes the reference instead of resolving it); the token data is read from the
 object store when a step is materialized, and that happens in the gRPC front-end that
-asked for the plan (`plan_ready_steps` -> materialize -> `store_step`), so the actor's
-queue only ever carries metadata, plans and finished responses. Each rank's serialized
-response is kept in the actor (bounded by `retained_steps`) and returned by
-`fetch_batch` in one call (Ray moves a large return value through the object store).
+asked for the plan (`plan_ready_steps` -> materialize -> `ray.put` -> `store_step`), so
+the actor's queue only carries metadata, plans and object references. The actor keeps
+each rank's response reference until the step is released (`retained_steps`).
 
 Expected failures come back as values, `("ok", result)` / `("invalid", message)` /
 `("backpressure", message)`, rather than as Ray-wrapped exceptions.
@@ -28,15 +27,11 @@ from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler
 from rlfeed.service.validation import InvalidBatchError
 
 
-def _resolve(handle: list) -> Any:
-    return ray.get(handle[0])
-
-
 class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
-        self._scheduler = Scheduler(config, resolve=_resolve)
+        self._scheduler = Scheduler(config)  # never materializes: front-ends do
 
     def ping(self) -> bool:
         return True
@@ -67,15 +62,12 @@ class SchedulerActor:
         """StepWork of every newly planned step; the caller materializes and stores it."""
         return self._scheduler.plan_ready_steps()
 
-    def store_step(self, step: int, responses: list[bytes]) -> None:
-        self._scheduler.store_step(step, responses)
-
-    def assemble_ready_steps(self) -> list[int]:
-        """Plan, materialize and store inside the actor (tools and tests)."""
-        return self._scheduler.assemble_ready_steps()
+    def store_step(self, step: int, responses: list[list], response_bytes: int) -> None:
+        """responses[rank] = [ObjectRef of that rank's GetBatchResponse bytes]."""
+        self._scheduler.store_step(step, responses, response_bytes)
 
     def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
-        """("ready", response bytes) | ("waiting", next_step) |
+        """("ready", [ObjectRef of the response bytes]) | ("waiting", next_step) |
         ("released", next_step) | ("invalid", message)."""
         try:
             result = self._scheduler.fetch_batch(step, rank)

@@ -137,7 +137,7 @@ class _Group:
 class _Step:
     record: StepRecord
     num_rollouts: int
-    payloads: list[bytes] | None = None  # per rank, once materialized
+    payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
     fetched: set[int] = field(default_factory=set)
 
 
@@ -422,17 +422,21 @@ class Scheduler:
             work.append(self._plan(groups))
         return work
 
-    def store_step(self, step: int, responses: list[bytes]) -> None:
-        """Keep the serialized response of every rank of a planned step (served as-is)."""
+    def store_step(
+        self, step: int, responses: list[Any], response_bytes: int | None = None
+    ) -> None:
+        """Keep every rank's response of a planned step: the serialized bytes (served as-is),
+        or a handle to them (the actor keeps object references; `response_bytes` then gives
+        their total size for the step's record)."""
         held = self._steps.get(step)
         if held is None or held.payloads is not None:
             raise ValueError(f"step {step} is not waiting for its responses")
         if len(responses) != self.config.batching.world_size:
             raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
         held.payloads = list(responses)
-        self.step_records.append(
-            replace(held.record, response_bytes=sum(len(r) for r in responses))
-        )
+        if response_bytes is None:
+            response_bytes = sum(len(r) for r in responses)
+        self.step_records.append(replace(held.record, response_bytes=int(response_bytes)))
 
     def assemble_ready_steps(self) -> list[int]:
         """Plan, materialize (with `resolve`) and store every ready step; returns them."""

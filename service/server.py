@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -39,6 +40,33 @@ SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
 # signal (another front-end may have assembled it).
 _POLL_SECONDS = 0.25
+
+
+# Steps this front-end materialized stay in memory up to this size, newest kept: a fetch
+# served from here skips a copy out of the object store. Older steps come from Ray.
+_RESPONSE_CACHE_BYTES = 256 * 2**20
+
+
+class _ResponseCache:
+    """step -> every rank's response bytes, least recently stored dropped first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._steps: OrderedDict[int, list[bytes]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, step: int, responses: list[bytes]) -> None:
+        with self._lock:
+            self._steps[step] = responses
+            self._bytes += sum(map(len, responses))
+            while self._bytes > self._max_bytes and len(self._steps) > 1:
+                _, dropped = self._steps.popitem(last=False)
+                self._bytes -= sum(map(len, dropped))
+
+    def get(self, step: int) -> list[bytes] | None:
+        with self._lock:
+            return self._steps.get(step)
 
 
 def _unavailable_when_ray_fails(handler):
@@ -110,6 +138,7 @@ class SidecarServicer:
         self._steps_changed = threading.Condition()
         self._known_next_step = 0
         self._stopping = False
+        self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
 
     def release_waiters(self) -> None:
         with self._steps_changed:
@@ -155,10 +184,13 @@ class SidecarServicer:
 
     def _assemble(self) -> None:
         """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
-        actor's), hand the responses back, then wake GetBatch calls waiting for them."""
+        actor's), `ray.put` each rank's response and hand the actor the references; keep
+        the bytes in a local cache so this front-end serves them without a copy back."""
         for work in ray.get(self.actor.plan_ready_steps.remote()):
             responses = materialize_work(work, resolve=lambda handle: ray.get(handle[0]))
-            ray.get(self.actor.store_step.remote(work.step, responses))
+            refs = [[ray.put(response)] for response in responses]
+            self._responses.put(work.step, responses)
+            ray.get(self.actor.store_step.remote(work.step, refs, sum(map(len, responses))))
             with self._steps_changed:
                 self._known_next_step = max(self._known_next_step, work.step + 1)
                 self._steps_changed.notify_all()
@@ -193,7 +225,8 @@ class SidecarServicer:
         while True:
             kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
             if kind == "ready":
-                return value
+                cached = self._responses.get(step)
+                return cached[rank] if cached is not None else ray.get(value[0])
             if kind == "invalid":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
             if kind == "released":
