@@ -37,6 +37,12 @@ Which path when:
   - Any model also accepts a prepared 4-D float mask as `attention_mask` (returned as-is
     by `create_causal_mask`): `block_causal_mask(segment_ids)` of shape [R, 1, L, L].
 
+Which bug shows where: with learned absolute position embeddings, running position ids
+change every later sequence even under a correct block mask. With rotary embeddings (Qwen3,
+Llama) attention inside a block depends only on position differences, so running ids under
+a correct mask are harmless up to rounding; but transformers' sdpa/eager path derives the
+mask *from* the position ids, so there running ids turn into a plain causal mask: a leak.
+
 Conventions: `cu_seqlens` is int32 [n + 1] from 0 (as `rlfeed.sched.layout.row_layout`
 produces); `segment_ids` is int [L] or [R, L] with -1 on padding; `position_ids` int64,
 0 on padding. Padding sits after the last sequence of a row.

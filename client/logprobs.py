@@ -212,7 +212,12 @@ class _CheckpointedLogProbs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         tokens, chunk_size, temperature = targets.numel(), ctx.chunk_size, ctx.temperature
         acc_dtype = _softmax_dtype(hidden.dtype)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Contiguous, so that each chunk's rows are a valid `out=` of the matmul.
+        grad_hidden = (
+            torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            if need_hidden
+            else None
+        )
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
             if need_weight
@@ -243,9 +248,8 @@ class _CheckpointedLogProbs(torch.autograd.Function):
                     grad_logits = log_softmax.exp_().mul_(-grad_log_probs[start:stop, None])
                 del log_softmax
                 if grad_log_probs is not None:
-                    grad_logits[rows[: stop - start], targets[start:stop].long()] += grad_log_probs[
-                        start:stop
-                    ]
+                    picked = (rows[: stop - start], targets[start:stop].long())
+                    grad_logits.index_put_(picked, grad_log_probs[start:stop], accumulate=True)
                 if temperature != 1.0:
                     grad_logits.div_(temperature)
                 if grad_bias is not None:

@@ -186,3 +186,15 @@ def test_no_tokens_gives_empty_output():
     assert log_probs.shape == (0,)
     log_probs.sum().backward()
     assert weight.grad is not None and not weight.grad.any()
+
+
+def test_non_contiguous_hidden_gets_the_same_grads():
+    base = torch.randn(WIDTH, 23, requires_grad=True)
+    weight = torch.randn(VOCAB, WIDTH, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (23,))
+    log_probs = checkpointed_log_probs(base.t(), weight, targets, chunk_size=5)
+    reference = full_log_probs(base.t(), weight, targets)
+    grads = torch.autograd.grad(log_probs.sum(), (base, weight))
+    expected = torch.autograd.grad(reference.sum(), (base, weight))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
