@@ -148,7 +148,7 @@ def test_policy_loss_matches_the_ppo_formula_token_by_token():
     for t in range(40):
         if not mask[t]:
             continue
-        ratio = math.exp(float(logprobs[t]) - float(sampler[t]))
+        ratio = math.exp(float(logprobs.detach()[t]) - float(sampler[t]))
         bounded = min(max(ratio, 0.8), 1.28)
         a = float(advantages[t])
         expected += -min(ratio * a, bounded * a)
