@@ -153,7 +153,7 @@ def test_policy_loss_matches_the_ppo_formula_token_by_token():
         a = float(advantages[t])
         expected += -min(ratio * a, bounded * a)
         clipped += bounded * a < ratio * a
-    assert float(loss) == pytest.approx(expected / 50.0, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(expected / 50.0, rel=1e-5)
     assert float(stats.clip_fraction) == pytest.approx(clipped / int(mask.sum()))
     assert 0 < clipped < int(mask.sum())
     assert float(stats.policy_tokens) == int(mask.sum())
