@@ -1,0 +1,436 @@
+"""End-to-end throughput: producers submit, trainer ranks pull, next to a bare gRPC stream.
+
+Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
+      [--producers 2] [--rollouts N] [--stages]
+Cost: about a minute on 2 cores (Ray start-up included), both cases.
+
+What runs, all on loopback in one invocation:
+
+1. **Raw baseline.** A trivial gRPC service (generic handlers, bytes in and out, no
+   parsing) in this process. A client process streams the producers' exact Arrow payloads
+   to a sink (client streaming) and receives from a source (server streaming) as many
+   bytes, in messages of the same sizes, as the trainer ranks received end to end. Raw
+   time = both transfers, one after the other.
+2. **End to end.** `start_server` on an embedded local Ray (the real sidecar). `--producers`
+   processes submit pre-generated complete groups with `RolloutWriter` (generation is
+   outside the timed region); two trainer-rank processes iterate `BatchLoader` over every
+   step and read each microbatch's loss mask (no model). Wall time runs from the start
+   signal to the last rank's last step.
+
+Reported: rollouts/s and tokens/s end to end; bytes moved end to end (ingest payloads +
+served responses) per second against the raw stream carrying the same bytes, and the
+ratio. `--stages` first times each stage alone, in one process on one step of the case's
+data (client encode, server decode + validate, ray.put/get of the columns, step assembly
+and encoding, client decode), to show where the end-to-end time goes. Targets: >= 50% of
+the raw bytes rate for 8k-token rollouts (`long`), >= 20,000
+rollouts/s for 100-token rollouts (`short`). To see where the time goes, run it under a
+sampling profiler that follows every process and thread, e.g.
+`py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import numpy as np
+
+WORLD_SIZE = 2
+CASES = {
+    # name: (tokens per rollout, rollouts, prompts_per_step, group_size, writer batch, budget)
+    "long": (8192, 512, 8, 8, 16, 65536),
+    "short": (100, 40_960, 64, 8, 2048, 65536),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    rollouts: int
+    prompts_per_step: int
+    group_size: int
+    batch_rollouts: int
+    token_budget: int
+
+    @property
+    def steps(self) -> int:
+        return self.rollouts // (self.prompts_per_step * self.group_size)
+
+
+def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
+    """This producer's share of complete groups, as RolloutWriter.write keyword dicts."""
+    rng = np.random.default_rng(producer)
+    groups = case.rollouts // case.group_size
+    rows = []
+    mask = np.ones(case.tokens, np.uint8)
+    mask[: case.tokens // 4] = 0  # a prompt, then policy tokens
+    for g in range(producer, groups, producers):
+        for k in range(case.group_size):
+            rows.append(
+                {
+                    "rollout_id": f"g{g}/{k}",
+                    "task_id": f"task-{g % 64}",
+                    "group_id": f"g{g}",
+                    "policy_version": 0,
+                    "reward": float(rng.random() < 0.5),
+                    "token_ids": rng.integers(0, 32000, case.tokens, dtype=np.int32),
+                    "action_mask": mask,
+                    "sampler_logprobs": np.where(mask > 0, -0.5, 0.0).astype(np.float32),
+                }
+            )
+    return rows
+
+
+def payloads(case: Case, rows: list[dict]) -> list[bytes]:
+    """The Arrow payloads RolloutWriter sends for these rows (same batch boundaries)."""
+    from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
+
+    out = []
+    for start in range(0, len(rows), case.batch_rollouts):
+        columns = RolloutColumns.empty()
+        for row in rows[start : start + case.batch_rollouts]:
+            columns.append(**row)
+        out.append(encode_rollouts(columns))
+    return out
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+
+def producer_main(case: Case, address: str, producer: int, producers: int, go, results) -> None:
+    from rlfeed.client.producer import RolloutWriter
+
+    rows = make_rows(case, producer, producers)
+    writer = RolloutWriter(
+        address,
+        max_batch_rollouts=case.batch_rollouts,
+        max_buffered_rollouts=case.batch_rollouts * 4,
+    )
+    results.put(("ready", producer, sum(len(p) for p in payloads(case, rows))))
+    go.wait()
+    started = time.perf_counter()
+    for row in rows:
+        writer.write(**row)
+    writer.close()
+    results.put(("producer", producer, time.perf_counter() - started))
+
+
+def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
+    from rlfeed.client.loader import BatchLoader
+    from rlfeed.client.transport import GrpcTransport
+
+    class Counting(GrpcTransport):
+        def get_batch(self, step, rank, wait_s):
+            response = super().get_batch(step, rank, wait_s)
+            if response.ready:
+                self.sizes.append(response.ByteSize())
+            return response
+
+    transport = Counting(address)
+    transport.sizes = []
+    loader = BatchLoader(transport, rank, WORLD_SIZE, stop_step=case.steps, timeout_s=300)
+    policy_tokens = 0
+    results.put(("ready", rank, 0))
+    go.wait()
+    for step in loader:
+        for mb in step:
+            policy_tokens += int(mb.loss_mask.sum())
+    loader.close()
+    results.put(("trainer", rank, (time.perf_counter(), policy_tokens, transport.sizes)))
+
+
+def run_e2e(case: Case, producers: int) -> dict:
+    from rlfeed.service.config import SidecarConfig, with_overrides
+    from rlfeed.service.server import start_server
+
+    config = with_overrides(
+        SidecarConfig(),
+        server={"port": 0},
+        batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
+        rollouts={
+            "prompts_per_step": case.prompts_per_step,
+            "group_size": case.group_size,
+            "max_buffered_rollouts": max(case.rollouts, 200_000),
+        },
+    )
+    sidecar = start_server(config)
+    ctx = mp.get_context("spawn")
+    go, results = ctx.Event(), ctx.Queue()
+    from rlfeed.client.producer import RolloutWriter
+
+    with RolloutWriter(sidecar.address) as writer:
+        writer.register_tasks([f"task-{t}" for t in range(64)])
+    processes = [
+        ctx.Process(target=producer_main, args=(case, sidecar.address, p, producers, go, results))
+        for p in range(producers)
+    ] + [
+        ctx.Process(target=trainer_main, args=(case, sidecar.address, r, go, results))
+        for r in range(WORLD_SIZE)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        ingest_bytes = 0
+        for _ in processes:
+            _, _, size = results.get(timeout=300)
+            ingest_bytes += size
+        started = time.perf_counter()
+        go.set()
+        ends, policy_tokens, sizes, producer_seconds = [], 0, [], []
+        for _ in processes:
+            kind, _, value = results.get(timeout=600)
+            if kind == "trainer":
+                ends.append(value[0])
+                policy_tokens += value[1]
+                sizes.extend(value[2])
+            else:
+                producer_seconds.append(value)
+        seconds = max(ends) - started
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        sidecar.stop(grace=1.0)
+    expected_policy = case.rollouts * (case.tokens - case.tokens // 4)
+    assert policy_tokens == expected_policy, (policy_tokens, expected_policy)
+    return {
+        "seconds": seconds,
+        "ingest_bytes": ingest_bytes,
+        "served_sizes": sizes,
+        "producer_seconds": max(producer_seconds),
+    }
+
+
+# -- raw baseline -------------------------------------------------------------------------
+
+
+def raw_client_main(address: str, sink_payloads: list[bytes], source_sizes: list[int], out):
+    import grpc
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    channel = grpc.insecure_channel(address, options=options)
+    sink = channel.stream_unary("/raw.Raw/Sink")
+    source = channel.unary_stream("/raw.Raw/Source")
+    sink(iter([b"warm-up"]))
+    started = time.perf_counter()
+    sink(iter(sink_payloads))
+    middle = time.perf_counter()
+    received = sum(len(m) for m in source(np.asarray(source_sizes, np.int64).tobytes()))
+    ended = time.perf_counter()
+    channel.close()
+    out.put((middle - started, ended - middle, received))
+
+
+def run_raw(sink_payloads: list[bytes], source_sizes: list[int]) -> tuple[float, float]:
+    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out)."""
+    import grpc
+
+    blob = os.urandom(max(source_sizes))
+
+    def sink(request_iterator, context):
+        return str(sum(len(m) for m in request_iterator)).encode()
+
+    def source(request, context):
+        for size in np.frombuffer(request, np.int64).tolist():
+            yield blob[:size]
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "raw.Raw",
+                {
+                    "Sink": grpc.stream_unary_rpc_method_handler(sink),
+                    "Source": grpc.unary_stream_rpc_method_handler(source),
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    client = ctx.Process(
+        target=raw_client_main, args=(f"127.0.0.1:{port}", sink_payloads, source_sizes, out)
+    )
+    try:
+        client.start()
+        sink_seconds, source_seconds, received = out.get(timeout=600)
+        assert received == sum(source_sizes)
+    finally:
+        client.join(timeout=30)
+        server.stop(0)
+    return sink_seconds, source_seconds
+
+
+# -- stages -------------------------------------------------------------------------------
+
+
+def _best(function, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run_stages(case: Case) -> None:
+    """Seconds per MiB of ingest payload for each stage of one step, each timed alone."""
+    import ray
+    from rlfeed.client.arrow_codec import RolloutColumns, decode_step, encode_rollouts
+    from rlfeed.proto import rlfeed_pb2 as pb
+    from rlfeed.service.codec import decode_rollout_batch
+    from rlfeed.service.config import SidecarConfig, with_overrides
+    from rlfeed.service.materialize import materialize_work
+    from rlfeed.service.scheduler import BatchMeta, Scheduler
+    from rlfeed.service.validation import validate_rollout_batch
+
+    per_step = case.prompts_per_step * case.group_size
+    step_case = Case(case.name, case.tokens, per_step, *CASES[case.name][2:])
+    rows = make_rows(step_case, 0, 1)
+    batches = [rows[i : i + case.batch_rollouts] for i in range(0, per_step, case.batch_rollouts)]
+    config = with_overrides(
+        SidecarConfig(),
+        batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
+        rollouts={"prompts_per_step": case.prompts_per_step, "group_size": case.group_size},
+    )
+
+    def encode_all() -> list[bytes]:
+        out = []
+        for batch in batches:
+            columns = RolloutColumns.empty()
+            for row in batch:
+                columns.append(**row)
+            out.append(encode_rollouts(columns))
+        return out
+
+    wire = encode_all()
+    mib = sum(map(len, wire)) / (1 << 20)
+
+    def decode_validate():
+        out = []
+        for payload in wire:
+            arrays = decode_rollout_batch(payload)
+            validate_rollout_batch(arrays, token_budget=case.token_budget)
+            out.append((BatchMeta.from_arrays(arrays), arrays.columns))
+        return out
+
+    decoded = decode_validate()
+
+    def assemble() -> list[bytes]:
+        scheduler = Scheduler(config)
+        scheduler.register_tasks([f"task-{t}" for t in range(64)])
+        for meta, columns in decoded:
+            scheduler.ingest_batch(meta, columns)
+        (work,) = scheduler.plan_ready_steps()
+        return materialize_work(work, resolve=lambda columns: columns)
+
+    responses = assemble()
+    served_mib = sum(map(len, responses)) / (1 << 20)
+
+    def client_decode():
+        for payload in responses:
+            decode_step(pb.GetBatchResponse.FromString(payload))
+
+    timings = {
+        "client: rollouts -> Arrow batches (RolloutColumns + encode)": _best(encode_all),
+        "server: decode + validate + metadata": _best(decode_validate),
+    }
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        columns = [c for _, c in decoded]
+        timings["server: ray.put of the columns"] = _best(lambda: [ray.put(c) for c in columns])
+        refs = [ray.put(c) for c in columns]
+        timings["server: ray.get of the columns"] = _best(lambda: ray.get(refs))
+        timings["server: plan + materialize + encode all ranks"] = _best(assemble)
+        timings["server: ray.put of the responses"] = _best(lambda: [ray.put(r) for r in responses])
+        response_refs = [ray.put(r) for r in responses]
+        timings["server: ray.get of the responses"] = _best(lambda: ray.get(response_refs))
+    finally:
+        ray.shutdown()
+    timings["client: parse GetBatchResponse + decode_step"] = _best(client_decode)
+    print(
+        f"  stages, one step ({per_step} rollouts, {mib:.1f} MiB in, {served_mib:.1f} MiB "
+        "out), each alone, best of 3:"
+    )
+    for name, seconds in timings.items():
+        print(f"    {name:<58} {seconds * 1e3:8.2f} ms  {mib / seconds:9.1f} MiB/s of ingest")
+    total = sum(timings.values())
+    print(f"    {'sum (one core, no overlap)':<58} {total * 1e3:8.2f} ms  {mib / total:9.1f} MiB/s")
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def run_case(case: Case, producers: int, stages: bool) -> None:
+    print(
+        f"\n== {case.name}: {case.rollouts:,} rollouts x {case.tokens:,} tokens, "
+        f"{case.steps} steps of {case.prompts_per_step} x {case.group_size}, "
+        f"{producers} producer(s), {WORLD_SIZE} trainer ranks",
+        flush=True,
+    )
+    if stages:
+        run_stages(case)
+    e2e = run_e2e(case, producers)
+    sink_payloads = [
+        p for i in range(producers) for p in payloads(case, make_rows(case, i, producers))
+    ]
+    sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"])
+    served = sum(e2e["served_sizes"])
+    moved = e2e["ingest_bytes"] + served
+    raw_seconds = sink_seconds + source_seconds
+    tokens = case.rollouts * case.tokens
+    seconds = e2e["seconds"]
+    mib = 1 << 20
+    print(
+        f"  end to end       {seconds:8.2f} s   {case.rollouts / seconds:12,.0f} rollouts/s   "
+        f"{tokens / seconds:14,.0f} tokens/s"
+    )
+    print(f"  producers alone  {e2e['producer_seconds']:8.2f} s (slowest producer, incl. waits)")
+    print(
+        f"  bytes moved      {moved / mib:8.1f} MiB = {e2e['ingest_bytes'] / mib:.1f} ingest "
+        f"+ {served / mib:.1f} served   e2e {moved / mib / seconds:9.1f} MiB/s"
+    )
+    rate_in, rate_out = e2e["ingest_bytes"] / mib / sink_seconds, served / mib / source_seconds
+    print(
+        f"  raw gRPC stream  {raw_seconds:8.2f} s   in {rate_in:9.1f} MiB/s, out {rate_out:9.1f} "
+        f"MiB/s, same bytes {moved / mib / raw_seconds:9.1f} MiB/s"
+    )
+    print(f"  ratio            e2e / raw bytes rate = {raw_seconds / seconds:.1%}")
+    if case.name == "long":
+        verdict = "met" if raw_seconds / seconds >= 0.5 else "NOT met"
+        print(f"  target >= 50% of the raw bytes rate: {verdict}")
+    if case.name == "short":
+        verdict = "met" if case.rollouts / seconds >= 20_000 else "NOT met"
+        print(f"  target >= 20,000 rollouts/s: {verdict}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--case", choices=("long", "short", "both"), default="both")
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--rollouts", type=int, help="override the case's rollout count")
+    parser.add_argument("--stages", action="store_true", help="time each stage alone first")
+    args = parser.parse_args()
+    names = ("long", "short") if args.case == "both" else (args.case,)
+    for name in names:
+        tokens, rollouts, prompts, group, batch, budget = CASES[name]
+        if args.rollouts:
+            per_step = prompts * group
+            rollouts = max(per_step, args.rollouts // per_step * per_step)
+        case = Case(name, tokens, rollouts, prompts, group, batch, budget)
+        run_case(case, args.producers, args.stages)
+
+
+if __name__ == "__main__":
+    main()
