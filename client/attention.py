@@ -20,18 +20,20 @@ Which path when:
   `FlashAttentionKwargs` names in `transformers/modeling_flash_attention_utils.py`) and
   `use_cache=False`. What transformers does with them:
 
-  - flash_attention_2/3: uses the four `cu_seq_lens_*`/`max_length_*` keywords directly
-    when all four are given; otherwise it infers the boundaries from `position_ids`, but
-    only for batch size 1.
-  - sdpa, eager (and flex): the attention functions ignore the `cu_seq_lens_*` keywords.
+  - flash_attention_2/3 (read in `_flash_attention_forward`, not run here: no GPU): uses
+    the four `cu_seq_lens_*`/`max_length_*` keywords directly when all four are given;
+    otherwise it infers the boundaries from `position_ids`, but only for batch size 1.
+  - sdpa, eager (run in the tests; flex by reading the code): the attention functions
+    ignore the `cu_seq_lens_*` keywords.
     The mask is built in `masking_utils.create_causal_mask`, which derives a block-diagonal
     causal mask from `position_ids` (a new sequence wherever the position does not grow by
     exactly 1, `find_packed_sequence_indices`) **only if `attention_mask is None` and no
     cache is in use**. Two traps follow, both verified in `tests/test_hf_packed.py`:
     (1) any 2-D `attention_mask`, even all ones, switches the detection off and the row
-    gets a plain causal mask; (2) `use_cache` defaults to `config.use_cache`, True for
-    Qwen3/Llama configs, also in train mode (unless gradient checkpointing is on), and the
-    resulting DynamicCache switches the detection off too. Hence `use_cache=False` in the
+    gets a plain causal mask; (2) `use_cache` defaults to `config.use_cache` (True in the
+    Qwen3 and GPT-2 configs; `utils.generic.merge_with_config_defaults` applies it in train
+    mode too unless gradient checkpointing is on), and the resulting DynamicCache switches
+    the detection off too. Hence `use_cache=False` in the
     returned keywords. With both avoided, position-ids-only packing is exact on CPU with
     sdpa and eager, for [R, L] rows as well as [1, T].
   - Any model also accepts a prepared 4-D float mask as `attention_mask` (returned as-is
