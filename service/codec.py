@@ -6,8 +6,9 @@ columns alias the Arrow buffers (zero-copy) when the producer sent the documente
 other integer/float widths are cast once, safely (an overflowing cast is an error).
 
 Serving: `sched.assembly.Microbatch` -> `rlfeed.v1.Microbatch` (one Arrow IPC stream per
-microbatch) and a rank's microbatches -> serialized `GetBatchResponse` bytes, produced once
-per (step, rank) and served as-is so that re-fetches are byte-identical.
+microbatch; `service/materialize.py` assembles a rank's microbatches into the serialized
+`GetBatchResponse` bytes that are served as-is). Status: the scheduler's snapshot and step
+records -> `StatusResponse` / `StepStats`.
 
 Contract checks that need more than decoding (lengths per rollout, NaN, ranges, ...) live
 in `rlfeed.service.validation`.
@@ -17,11 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+from rlfeed import __version__
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import Microbatch, TokenColumns
+
+if TYPE_CHECKING:  # records.py imports this module; only the annotations need these
+    from rlfeed.service.config import SidecarConfig
+    from rlfeed.service.records import StatusSnapshot, StepRecord
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -281,3 +288,44 @@ def decode_microbatch(message: pb.Microbatch) -> dict[str, np.ndarray]:
     }
     arrays["cu_seqlens"] = np.asarray(message.cu_seqlens, dtype=np.int32)
     return arrays
+
+
+def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.StatusResponse:
+    """A scheduler status snapshot -> the GetStatus answer (plus the run's shape)."""
+    counters = pb.Counters(**vars(snapshot.counters))
+    counters.rollouts_saved_by_filter = (
+        snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
+    ) * config.rollouts.group_size
+    response = pb.StatusResponse(
+        version=__version__,
+        next_step=snapshot.next_step,
+        buffered_rollouts=snapshot.buffered_rollouts,
+        buffered_bytes=snapshot.buffered_bytes,
+        complete_groups=snapshot.complete_groups,
+        open_groups=snapshot.open_groups,
+        tasks_total=snapshot.tasks_total,
+        tasks_inside_filter=snapshot.tasks_inside_filter,
+        tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,
+        steps_waiting=[
+            pb.StepWaiting(step=step, ranks_missing=ranks)
+            for step, ranks in snapshot.steps_waiting.items()
+        ],
+        newest_policy_version=snapshot.newest_policy_version,
+        counters=counters,
+        world_size=config.batching.world_size,
+        prompts_per_step=config.rollouts.prompts_per_step,
+        group_size=config.rollouts.group_size,
+        token_budget=config.batching.token_budget,
+        last_reports=[
+            pb.TrainerReport(rank=rank, **report)
+            for rank, report in sorted(snapshot.last_reports.items())
+        ],
+    )
+    if snapshot.last_step is not None:
+        response.last_step.CopyFrom(step_stats_to_proto(snapshot.last_step))
+    return response
+
+
+def step_stats_to_proto(record: StepRecord) -> pb.StepStats:
+    """One step's statistics record -> its wire message (same field names)."""
+    return pb.StepStats(**vars(record))

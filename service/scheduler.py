@@ -30,98 +30,31 @@ from rlfeed.sched.curriculum import (
     select_tasks,
     update_pass_rates,
 )
-from rlfeed.service.codec import RolloutBatchArrays
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.materialize import StepWork, materialize_work
+from rlfeed.service.records import (
+    BackpressureError,
+    BatchMeta,
+    Counters,
+    FetchResult,
+    IngestResult,
+    SampleResult,
+    StatusSnapshot,
+    StepRecord,
+)
 from rlfeed.service.validation import rollout_error
 
-
-class BackpressureError(RuntimeError):
-    """The buffer is full (max_buffered_rollouts); the batch was not taken. Retry later."""
-
-
-@dataclass(frozen=True)
-class BatchMeta:
-    """Per-rollout metadata of one validated batch, n rows (the small part of a batch)."""
-
-    rollout_ids: list[str]
-    task_ids: list[str]
-    group_ids: list[str]
-    policy_versions: np.ndarray  # int64 [n]
-    rewards: np.ndarray  # float64 [n]
-    lengths: np.ndarray  # int64 [n] tokens
-    policy_tokens: np.ndarray  # int64 [n] action-mask tokens
-
-    @classmethod
-    def from_arrays(cls, batch: RolloutBatchArrays) -> BatchMeta:
-        return cls(
-            rollout_ids=batch.rollout_ids,
-            task_ids=batch.task_ids,
-            group_ids=batch.group_ids,
-            policy_versions=np.asarray(batch.policy_versions, dtype=np.int64),
-            rewards=np.asarray(batch.rewards, dtype=np.float64),
-            lengths=batch.lengths.astype(np.int64),
-            policy_tokens=batch.policy_tokens,
-        )
-
-
-@dataclass(frozen=True)
-class IngestResult:
-    accepted: int
-    duplicate: int
-    stale: int
-    newest_policy_version: int
-    buffered_rollouts: int
-    steps_ready: int  # steps `assemble_ready_steps` would assemble now
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    ready: bool  # the step is assembled and still held
-    released: bool = False  # the step was assembled but is no longer held
-    payload: Any = None  # stored GetBatchResponse bytes (or what `store` made of them)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Statistics of one assembled step (the metrics exporter publishes these)."""
-
-    step: int
-    num_rollouts: int
-    num_groups: int
-    zero_advantage_groups: int
-    zero_advantage_groups_dropped: int
-    policy_token_count: int
-    real_tokens: int
-    computed_positions: int
-    padded_positions: int
-    largest_microbatch_positions: int
-    rank_imbalance: float
-    lockstep_efficiency: float
-    microbatches_per_rank: int
-    policy_version: int
-    min_policy_version: int
-    response_bytes: int
-
-
-@dataclass
-class Counters:
-    """Monotonic counters since start (exported as Prometheus `_total` counters later)."""
-
-    rollouts_received: int = 0
-    rollouts_accepted: int = 0
-    rollouts_duplicate: int = 0
-    rollouts_stale: int = 0
-    batches_rejected: int = 0
-    zero_advantage_groups: int = 0
-    zero_advantage_rollouts_dropped: int = 0
-    steps_assembled: int = 0
-    rollouts_trained: int = 0
-    policy_tokens_assembled: int = 0
-    trainer_reports: int = 0
-    tasks_requested: int = 0
-    tasks_sampled: int = 0
-    revisits_sampled: int = 0
+__all__ = [  # the records are re-exported: callers import them from here
+    "BackpressureError",
+    "BatchMeta",
+    "Counters",
+    "FetchResult",
+    "IngestResult",
+    "SampleResult",
+    "Scheduler",
+    "StatusSnapshot",
+    "StepRecord",
+]
 
 
 @dataclass
@@ -139,29 +72,6 @@ class _Step:
     num_rollouts: int
     payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
     fetched: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    task_ids: list[str]
-    revisit: list[bool]
-    pass_rate: list[float]
-
-
-@dataclass(frozen=True)
-class StatusSnapshot:
-    next_step: int
-    buffered_rollouts: int
-    buffered_bytes: int
-    open_groups: int
-    complete_groups: int
-    tasks_total: int
-    tasks_inside_filter: int
-    newest_policy_version: int
-    steps_waiting: dict[int, list[int]]  # step -> ranks that have not fetched it
-    counters: Counters
-    last_step: StepRecord | None
-    last_reports: dict[int, dict[str, float]]
 
 
 class Scheduler:

@@ -24,16 +24,15 @@ from dataclasses import dataclass, field
 
 import grpc
 import ray
-import rlfeed
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.actors import create_scheduler_actor
-from rlfeed.service.codec import decode_rollout_batch
+from rlfeed.service.codec import decode_rollout_batch, status_to_proto
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.materialize import materialize_work
-from rlfeed.service.scheduler import BatchMeta, StatusSnapshot, StepRecord
+from rlfeed.service.scheduler import BatchMeta
 from rlfeed.service.validation import validate_rollout_batch
 
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
@@ -88,45 +87,6 @@ def _unavailable_when_ray_fails(handler):
 
 def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.StatusResponse:
-    counters = pb.Counters(**vars(snapshot.counters))
-    counters.rollouts_saved_by_filter = (
-        snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
-    ) * config.rollouts.group_size
-    response = pb.StatusResponse(
-        version=rlfeed.__version__,
-        next_step=snapshot.next_step,
-        buffered_rollouts=snapshot.buffered_rollouts,
-        buffered_bytes=snapshot.buffered_bytes,
-        complete_groups=snapshot.complete_groups,
-        open_groups=snapshot.open_groups,
-        tasks_total=snapshot.tasks_total,
-        tasks_inside_filter=snapshot.tasks_inside_filter,
-        tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,
-        steps_waiting=[
-            pb.StepWaiting(step=step, ranks_missing=ranks)
-            for step, ranks in snapshot.steps_waiting.items()
-        ],
-        newest_policy_version=snapshot.newest_policy_version,
-        counters=counters,
-        world_size=config.batching.world_size,
-        prompts_per_step=config.rollouts.prompts_per_step,
-        group_size=config.rollouts.group_size,
-        token_budget=config.batching.token_budget,
-        last_reports=[
-            pb.TrainerReport(rank=rank, **report)
-            for rank, report in sorted(snapshot.last_reports.items())
-        ],
-    )
-    if snapshot.last_step is not None:
-        response.last_step.CopyFrom(step_stats_to_proto(snapshot.last_step))
-    return response
-
-
-def step_stats_to_proto(record: StepRecord) -> pb.StepStats:
-    return pb.StepStats(**vars(record))
 
 
 class SidecarServicer:
