@@ -5,10 +5,12 @@ Run one process per rank with torchrun's variables set (the demo does this itsel
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m rlfeed.service.demo_trainer --address 127.0.0.1:50051 --steps 4
 
-Each rank pulls its microbatches with `BatchLoader`, scores them with the model over the
-packed row (block-diagonal causal mask from `rlfeed.client.attention`, restarted position
-ids), computes per-token log-probs with `checkpointed_log_probs` and the clipped GRPO loss
-with `policy_loss(mode="constant")`.
+Each rank pulls its microbatches with `BatchLoader`, scores each packed row with the model
+(restarted position ids; attention confined to each sequence by `cu_seqlens`, as a varlen
+kernel does), computes per-token log-probs with `checkpointed_log_probs` and the clipped
+GRPO loss with `policy_loss(mode="constant")`. The fleet samples with the initial weights,
+so the step-0 ratio outlier share checks packing (it must be 0), and later steps' shares
+measure how far the policy has moved from the sampler.
 
 Normalization across ranks: every rank divides its token-loss sum by
 `rank_norm_const(N, world_size) = N / world_size`, where N is the step's served global
@@ -57,16 +59,22 @@ class Block(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
 
-    def forward(self, x_TD: torch.Tensor, mask_11TT: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         t, d = x_TD.shape
         q, k, v = self.qkv(self.norm1(x_TD)).view(t, 3, self.n_heads, d // self.n_heads).unbind(1)
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask_11TT,
+        # Varlen attention on CPU: causal attention inside each sequence of the row, which is
+        # what flash_attn_varlen_func computes from cu_seqlens; O(sum L^2), never O(T^2).
+        attended = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True
+                ).transpose(0, 1)
+                for qs, ks, vs in zip(
+                    q.split(lengths), k.split(lengths), v.split(lengths), strict=True
+                )
+            ]
         )
-        x_TD = x_TD + self.proj(attended[0].transpose(0, 1).reshape(t, d))
+        x_TD = x_TD + self.proj(attended.reshape(t, d))
         return x_TD + self.mlp(self.norm2(x_TD))
 
 
@@ -93,15 +101,13 @@ class TinyCausalLM(nn.Module):
     def hidden_states(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
-        """[T, D] final hidden states of one packed row; sequences never see each other."""
-        from rlfeed.client.attention import block_causal_mask, segment_ids_from_cu_seqlens
+        """[T, D] final hidden states of one packed row; sequences never see each other.
 
-        mask_11TT = block_causal_mask(
-            segment_ids_from_cu_seqlens(cu_seqlens, input_ids_T.numel()), dtype=torch.bool
-        )
+        input_ids_T, position_ids_T: [T]; cu_seqlens: int [n + 1] with cu_seqlens[-1] = T."""
+        lengths = torch.diff(cu_seqlens.to(torch.int64)).tolist()
         x_TD = self.embed(input_ids_T) + self.positions(position_ids_T)
         for block in self.blocks:
-            x_TD = block(x_TD, mask_11TT)
+            x_TD = block(x_TD, lengths)
         return self.norm(x_TD)
 
 
