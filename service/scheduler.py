@@ -151,61 +151,64 @@ class Scheduler:
 
     def ingest_batch(self, meta: BatchMeta, payload: Any) -> IngestResult:
         """Buffer a validated batch. All-or-nothing: InvalidBatchError (unknown task, group
-        over group_size or spanning two tasks) or BackpressureError leave no trace."""
+        over group_size or spanning two tasks) or BackpressureError leave no trace.
+
+        The work is per group of the batch, not per rollout, wherever it can be: this is
+        the actor's hot path (one call per batch, all producers).
+        """
         rollouts = self.config.rollouts
-        n = len(meta.rollout_ids)
-        duplicate = np.fromiter((i in self._seen for i in meta.rollout_ids), bool, count=n)
-        fresh = np.flatnonzero(~duplicate)
-        newest = self._newest_version
-        if fresh.size:
-            newest = max(newest, int(meta.policy_versions[fresh].max()))
+        ids, tasks, versions = meta.rollout_ids, meta.task_ids, meta.policy_versions.tolist()
+        n = len(ids)
+        by_group: dict[str, list[int]] = {}  # fresh rows of each group, in row order
+        seen = self._seen
+        for row, (rollout_id, group_id) in enumerate(zip(ids, meta.group_ids, strict=True)):
+            if rollout_id not in seen:
+                by_group.setdefault(group_id, []).append(row)
+        fresh = sum(map(len, by_group.values()))
+        newest = max([self._newest_version] + [versions[r] for g in by_group.values() for r in g])
         oldest_allowed = newest - rollouts.max_policy_lag
 
         # Phase 1: check everything against the state; mutate nothing.
         stale_groups: set[str] = set()
-        adding: dict[str, int] = {}
-        batch_task: dict[str, str] = {}
-        for row in fresh.tolist():
-            rollout_id, task_id, group_id = (
-                meta.rollout_ids[row],
-                meta.task_ids[row],
-                meta.group_ids[row],
-            )
+        incoming = 0
+        for group_id, rows in by_group.items():
+            task_id = tasks[rows[0]]
             if task_id not in self._task_index:
-                raise rollout_error(rollout_id, "task_id", f"unknown task {task_id!r}")
-            group = self._open.get(group_id) or self._complete.get(group_id)
-            group_task = group.task_id if group else batch_task.setdefault(group_id, task_id)
-            if task_id != group_task:
-                raise rollout_error(
-                    rollout_id, "group_id", f"group {group_id!r} belongs to task {group_task!r}"
-                )
+                raise rollout_error(ids[rows[0]], "task_id", f"unknown task {task_id!r}")
+            group = self._group(group_id)
+            group_task = group.task_id if group else task_id
+            for row in rows:
+                if tasks[row] != group_task:
+                    raise rollout_error(
+                        ids[row], "group_id", f"group {group_id!r} belongs to task {group_task!r}"
+                    )
             closed = self._closed.get(group_id)
             if closed == "stale":
                 stale_groups.add(group_id)
                 continue
             if closed is not None or group_id in self._complete:
                 raise rollout_error(
-                    rollout_id,
+                    ids[rows[0]],
                     "group_id",
                     f"group {group_id!r} already has its {rollouts.group_size} rollouts",
                 )
-            if meta.policy_versions[row] < oldest_allowed:
+            if min(versions[row] for row in rows) < oldest_allowed:
                 stale_groups.add(group_id)
                 continue
-            adding[group_id] = adding.get(group_id, 0) + 1
-            if adding[group_id] + (len(group.rows) if group else 0) > rollouts.group_size:
+            room = rollouts.group_size - (len(group.rows) if group else 0)
+            if len(rows) > room:
                 raise rollout_error(
-                    rollout_id,
+                    ids[rows[room]],
                     "group_id",
                     f"group {group_id!r} would exceed group_size {rollouts.group_size}",
                 )
+            incoming += len(rows)
         if newest > self._newest_version:
             stale_groups.update(
                 g
                 for g, group in (*self._open.items(), *self._complete.items())
                 if group.min_version < oldest_allowed
             )
-        incoming = sum(count for g, count in adding.items() if g not in stale_groups)
         freed = sum(len(self._group(g).rows) for g in stale_groups if self._group(g))
         live = self._buffered_rollouts + self._rollouts_in_steps - freed
         if incoming and live + incoming > rollouts.max_buffered_rollouts:
@@ -220,45 +223,48 @@ class Scheduler:
             self._drop_group(group_id, "stale")
         batch_key = self._next_batch_key
         self._next_batch_key += 1
+        first_arrival = self._next_arrival  # arrival order = row order inside a batch
+        self._next_arrival += n
+        rewards, lengths = meta.rewards.tolist(), meta.lengths.tolist()
+        policy_tokens = meta.policy_tokens.tolist()
         stale = accepted = 0
-        completed: list[str] = []
-        for row in fresh.tolist():
-            rollout_id, group_id = meta.rollout_ids[row], meta.group_ids[row]
-            self._seen.add(rollout_id)
+        completed: list[tuple[int, str]] = []  # (completing row, group id)
+        for group_id, rows in by_group.items():
+            seen.update(ids[row] for row in rows)
             if group_id in stale_groups:
-                stale += 1
+                stale += len(rows)
                 continue
-            group = self._open.setdefault(group_id, _Group(task_id=meta.task_ids[row]))
-            length = int(meta.lengths[row])
-            group.rows.append(
+            group = self._open.setdefault(group_id, _Group(task_id=tasks[rows[0]]))
+            group.rows.extend(
                 (
-                    self._next_arrival,
+                    first_arrival + row,
                     batch_key,
                     row,
-                    rollout_id,
-                    int(meta.policy_versions[row]),
-                    float(meta.rewards[row]),
-                    length,
-                    int(meta.policy_tokens[row]),
+                    ids[row],
+                    versions[row],
+                    rewards[row],
+                    lengths[row],
+                    policy_tokens[row],
                 )
+                for row in rows
             )
-            self._next_arrival += 1
-            group.min_version = min(group.min_version, int(meta.policy_versions[row]))
-            self._buffered_bytes += length * 9  # int32 id + uint8 mask + float32 log-prob
-            accepted += 1
+            group.min_version = min(group.min_version, *(versions[row] for row in rows))
+            # int32 id + uint8 mask + float32 log-prob per token
+            self._buffered_bytes += 9 * sum(lengths[row] for row in rows)
+            accepted += len(rows)
             if len(group.rows) == rollouts.group_size:
-                completed.append(group_id)
+                completed.append((rows[-1], group_id))
         self._buffered_rollouts += accepted
         if accepted:
             self._payloads[batch_key] = [payload, accepted]
         self.counters.rollouts_received += n
         self.counters.rollouts_accepted += accepted
-        self.counters.rollouts_duplicate += n - fresh.size
+        self.counters.rollouts_duplicate += n - fresh
         self.counters.rollouts_stale += stale
-        self._complete_groups(completed)
+        self._complete_groups([group_id for _, group_id in sorted(completed)])
         return IngestResult(
             accepted=accepted,
-            duplicate=int(n - fresh.size),
+            duplicate=n - fresh,
             stale=stale,
             newest_policy_version=max(self._newest_version, 0),
             buffered_rollouts=self._buffered_rollouts,
