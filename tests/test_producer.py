@@ -7,6 +7,9 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
 from rlfeed.client.producer import RolloutWriter
 from rlfeed.client.transport import BufferFullError, InProcessTransport, InvalidRolloutsError
 from rlfeed.service.codec import decode_rollout_batch
@@ -94,6 +97,24 @@ def test_written_rollouts_arrive_column_for_column(recording):
             np.testing.assert_array_equal(batch.sampler_logprobs[a:b], row["sampler_logprobs"])
             i += 1
     assert i == len(rows)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=40), min_size=0, max_size=12), st.integers(0, 99)
+)
+def test_encoded_batches_decode_to_the_same_arrays_for_any_lengths(lengths, seed):
+    rows = [rollout(seed * 100 + i, length=n) for i, n in enumerate(lengths)]
+    columns = RolloutColumns.empty()
+    for row in rows:
+        columns.append(**row)
+    batch = decode_rollout_batch(encode_rollouts(columns))
+    np.testing.assert_array_equal(batch.offsets, np.concatenate(([0], np.cumsum(lengths))))
+    assert batch.rollout_ids == [row["rollout_id"] for row in rows]
+    for name in ("token_ids", "action_mask", "sampler_logprobs"):
+        expected = [row[name] for row in rows]
+        flat = np.concatenate(expected) if expected else np.zeros(0)
+        np.testing.assert_array_equal(getattr(batch, name), flat)
 
 
 def test_flush_returns_one_ack_per_batch_in_order(recording):
