@@ -169,12 +169,15 @@ class Scheduler:
         oldest_allowed = newest - rollouts.max_policy_lag
 
         # Phase 1: check everything against the state; mutate nothing.
+        unknown = {tasks[row] for rows in by_group.values() for row in rows}
+        unknown.difference_update(self._task_index)
+        if unknown:
+            row = min(row for rows in by_group.values() for row in rows if tasks[row] in unknown)
+            raise rollout_error(ids[row], "task_id", f"unknown task {tasks[row]!r}")
         stale_groups: set[str] = set()
         incoming = 0
         for group_id, rows in by_group.items():
             task_id = tasks[rows[0]]
-            if task_id not in self._task_index:
-                raise rollout_error(ids[rows[0]], "task_id", f"unknown task {task_id!r}")
             group = self._group(group_id)
             group_task = group.task_id if group else task_id
             for row in rows:
