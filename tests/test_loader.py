@@ -335,6 +335,23 @@ def test_grpc_sidecar_serves_what_the_in_process_transport_serves(make_sidecar):
                 assert torch.equal(a.advantages, b.advantages)
 
 
+def test_restarted_loader_over_grpc_gets_the_same_step(make_sidecar):
+    sidecar = make_sidecar(**sidecar_config())
+    produce(sidecar.address, steps=2)
+    with BatchLoader(sidecar.address, 0, WORLD_SIZE, stop_step=2) as loader:
+        steps = list(loader)
+        state = loader.state_dict()
+    assert state["next_step"] == 2
+    with BatchLoader(sidecar.address, 0, WORLD_SIZE, stop_step=2) as restarted:
+        restarted.load_state_dict({**state, "next_step": 1})
+        (again,) = list(restarted)
+    assert again.step == 1
+    for before, after in zip(steps[1], again, strict=True):
+        assert before.rollout_ids == after.rollout_ids
+        assert torch.equal(before.input_ids, after.input_ids)
+        assert torch.equal(before.sampler_logprobs, after.sampler_logprobs)
+
+
 def test_hf_model_scores_served_microbatches_like_each_rollout_alone(make_sidecar):
     """The trainer's view: a Hugging Face model over the packed rows a BatchLoader yields,
     position ids only (no attention mask), equals each rollout scored by itself."""
