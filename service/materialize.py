@@ -21,7 +21,7 @@ from rlfeed.sched.assembly import (
     gather_token_ranges,
     materialize_microbatch,
 )
-from rlfeed.service.codec import encode_microbatch
+from rlfeed.service.codec import encode_microbatch_parts, join_rank_response
 
 
 @dataclass(frozen=True)
@@ -104,14 +104,17 @@ def materialize_step(
     advantages_by_column = np.zeros(len(rows), dtype=np.float32)
     advantages_by_column[column_of] = plan.advantages
     kept_versions = policy_versions[plan.kept] if plan.kept.size else policy_versions
-    wire_microbatches = []
-    for members in plan.microbatches:
-        microbatch = materialize_microbatch(step_columns, column_of[members], advantages_by_column)
-        wire_microbatches.append(encode_microbatch(microbatch, [rollout_ids[i] for i in members]))
+    wire_microbatches = [
+        encode_microbatch_parts(
+            materialize_microbatch(step_columns, column_of[members], advantages_by_column),
+            [rollout_ids[i] for i in members],
+        )
+        for members in plan.microbatches
+    ]
     world_size = len(plan.ranks)
     responses = []
     for rank, microbatch_indices in enumerate(plan.ranks):
-        response = pb.GetBatchResponse(
+        header = pb.GetBatchResponse(
             ready=True,
             step=step,
             rank=rank,
@@ -120,8 +123,9 @@ def materialize_step(
             microbatches_per_rank=plan.microbatches_per_rank,
             policy_version=int(kept_versions.max()) if kept_versions.size else 0,
             min_policy_version=int(kept_versions.min()) if kept_versions.size else 0,
-            microbatches=[wire_microbatches[i] for i in microbatch_indices],
             num_rollouts=int(plan.kept.size),
         )
-        responses.append(response.SerializeToString(deterministic=True))
+        responses.append(
+            join_rank_response(header, [wire_microbatches[i] for i in microbatch_indices])
+        )
     return responses

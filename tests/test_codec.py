@@ -7,12 +7,15 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import materialize_microbatch
 from rlfeed.service.codec import (
     ROLLOUT_SCHEMA,
     decode_microbatch,
     decode_rollout_batch,
     encode_microbatch,
+    encode_microbatch_parts,
+    join_rank_response,
 )
 from rlfeed.service.testing import synthetic_groups
 
@@ -136,3 +139,33 @@ def test_microbatch_round_trips_through_its_wire_message() -> None:
     assert message.rollout_ids == ["g1-r1", "g0-r0", "g0-r2"]
     assert message.policy_tokens == int(microbatch.loss_mask.sum())
     assert message.max_seqlen == max(rollouts.token_ids[i].size for i in members)
+
+
+def test_hand_joined_rank_response_is_byte_identical_to_protobuf_serialization() -> None:
+    rollouts = synthetic_groups(num_groups=3, group_size=4, rng=np.random.default_rng(5))
+    columns = decode_rollout_batch(rollouts.encode()).columns
+    advantages = np.linspace(-1, 1, len(rollouts)).astype(np.float32)
+    members = [np.array([3, 1, 7]), np.array([], dtype=np.int64), np.array([11, 0])]
+    microbatches = [materialize_microbatch(columns, m, advantages) for m in members]
+    names = [[rollouts.rollout_ids[i] for i in m] for m in members]
+    header = pb.GetBatchResponse(
+        ready=True, step=300, rank=1, world_size=2, policy_token_count=2**40,
+        microbatches_per_rank=3, policy_version=7, min_policy_version=5, num_rollouts=5,
+    )  # fmt: skip
+    parts = [encode_microbatch_parts(mb, ids) for mb, ids in zip(microbatches, names, strict=True)]
+    straightforward = pb.GetBatchResponse()
+    straightforward.CopyFrom(header)
+    straightforward.microbatches.extend(
+        encode_microbatch(mb, ids) for mb, ids in zip(microbatches, names, strict=True)
+    )
+    joined = join_rank_response(header, parts)
+    assert joined == straightforward.SerializeToString(deterministic=True)
+    assert pb.GetBatchResponse.FromString(joined) == straightforward
+
+
+@pytest.mark.parametrize("value", [1, 127, 128, 300, 2**14, 2**21 + 5, 2**35, 2**64 - 1])
+def test_hand_written_varints_match_protobuf(value: int) -> None:
+    from rlfeed.service.codec import _varint
+
+    # RolloutBatch.sequence is field 2, varint wire type: tag byte 0x10, then the varint.
+    assert b"\x10" + _varint(value) == pb.RolloutBatch(sequence=value).SerializeToString()
