@@ -13,7 +13,6 @@ its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleased
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -249,42 +248,10 @@ class InProcessTransport:
             )
 
     def status(self) -> pb.StatusResponse:
+        from rlfeed.service.codec import status_to_proto
+
         with self._cond:
-            snapshot = self._scheduler.status()
-        counters = _known_fields(pb.Counters, dataclasses.asdict(snapshot.counters))
-        counters["rollouts_saved_by_filter"] = (
-            snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
-        ) * self.config.rollouts.group_size
-        response = pb.StatusResponse(
-            next_step=snapshot.next_step,
-            buffered_rollouts=snapshot.buffered_rollouts,
-            buffered_bytes=snapshot.buffered_bytes,
-            open_groups=snapshot.open_groups,
-            complete_groups=snapshot.complete_groups,
-            tasks_total=snapshot.tasks_total,
-            tasks_inside_filter=snapshot.tasks_inside_filter,
-            tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,
-            newest_policy_version=snapshot.newest_policy_version,
-            steps_waiting=[
-                pb.StepWaiting(step=step, ranks_missing=ranks)
-                for step, ranks in snapshot.steps_waiting.items()
-            ],
-            counters=pb.Counters(**counters),
-            world_size=self.config.batching.world_size,
-            prompts_per_step=self.config.rollouts.prompts_per_step,
-            group_size=self.config.rollouts.group_size,
-            token_budget=self.config.batching.token_budget,
-        )
-        if snapshot.last_step is not None:
-            response.last_step.CopyFrom(
-                pb.StepStats(**_known_fields(pb.StepStats, dataclasses.asdict(snapshot.last_step)))
-            )
-        return response
+            return status_to_proto(self._scheduler.status(), self.config)
 
     def close(self) -> None:
         pass
-
-
-def _known_fields(message_type: Any, values: dict[str, Any]) -> dict[str, Any]:
-    names = set(message_type.DESCRIPTOR.fields_by_name)
-    return {name: value for name, value in values.items() if name in names}
