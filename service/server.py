@@ -8,9 +8,15 @@ the actor is killed and Ray is shut down if this process started it.
 
 Per rollout batch the handler thread decodes the Arrow payload and validates it
 (vectorized numpy), `ray.put`s the columns and sends the actor one call with metadata
-arrays and the object reference; ingest throughput scales with front-end threads, not
-with the actor's Python loop. GetBatch answers with the stored response bytes as they
-are (a pass-through serializer), so a re-fetch is byte-identical.
+arrays and the object reference. When that completes a step, the same thread asks the
+actor for the step's plan, materializes every rank's response (the bulk work, here and not
+in the actor), `ray.put`s them and hands the actor the references. So the actor's Python
+loop only sees metadata, and ingest and serving scale with front-end threads. GetBatch
+answers with the stored response bytes as they are (a pass-through serializer), so a
+re-fetch is byte-identical.
+
+GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
+the step; if it is still not assembled, answer OK with `ready = false` (poll again).
 """
 
 from __future__ import annotations
