@@ -60,12 +60,14 @@ def _text(address: str, health: str, status) -> str:
         f"  policy version   newest {status.newest_policy_version}",
     ]
     if status.steps_waiting:
-        waiting = ", ".join(
-            f"{w.step} (ranks {','.join(map(str, w.ranks_missing))})" for w in status.steps_waiting
+        waiting = "; ".join(
+            f"step {w.step} for rank{'s' if len(w.ranks_missing) > 1 else ''} "
+            f"{','.join(map(str, w.ranks_missing))}"
+            for w in status.steps_waiting
         )
-        lines.append(f"  waiting for      {waiting}")
+        lines.append(f"  steps waiting    {waiting}")
     else:
-        lines.append("  waiting for      no step is waiting for ranks")
+        lines.append("  steps waiting    none (every assembled step was fetched by every rank)")
     lines.append(
         f"  rollouts         received {counters.rollouts_received}, accepted "
         f"{counters.rollouts_accepted}, duplicate {counters.rollouts_duplicate}, stale "
