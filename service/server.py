@@ -102,7 +102,7 @@ class SidecarServicer:
         self.config = config
         self.actor = actor
         self._steps_changed = threading.Condition()
-        self._known_next_step = 0
+        self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._stopping = False
         self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
 
@@ -158,7 +158,7 @@ class SidecarServicer:
             self._responses.put(work.step, responses)
             ray.get(self.actor.store_step.remote(work.step, refs, sum(map(len, responses))))
             with self._steps_changed:
-                self._known_next_step = max(self._known_next_step, work.step + 1)
+                self._steps_stored += 1
                 self._steps_changed.notify_all()
 
     # ---- TaskSampling ---------------------------------------------------------------
@@ -189,6 +189,8 @@ class SidecarServicer:
             wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
         deadline = time.monotonic() + wait
         while True:
+            # Read before asking, so a step stored in between still wakes the wait below.
+            stored_before = self._steps_stored
             kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
             if kind == "ready":
                 cached = self._responses.get(step)
@@ -206,7 +208,7 @@ class SidecarServicer:
                 return pb.GetBatchResponse(ready=False, step=step, rank=rank)
             with self._steps_changed:
                 self._steps_changed.wait_for(
-                    lambda: self._known_next_step > step or self._stopping,
+                    lambda before=stored_before: self._steps_stored != before or self._stopping,
                     timeout=min(remaining, _POLL_SECONDS),
                 )
 
