@@ -1,40 +1,59 @@
-"""Trainer-side client: torch ops for packed microbatches (and, later, producer and loader).
+"""What other processes import: the producer (inference side), the batch loader and the
+torch ops (trainer side).
 
-Importing this package imports torch but starts nothing: no threads, servers or I/O.
+Names are resolved lazily (PEP 562): `from rlfeed.client import RolloutWriter` on an
+inference node does not import torch, and importing the package starts nothing (no
+threads, servers or I/O).
 """
 
-from rlfeed.client.attention import (
-    block_causal_mask,
-    concat_rows_cu_seqlens,
-    hf_packed_kwargs,
-    position_ids_from_cu_seqlens,
-    segment_ids_from_cu_seqlens,
-    varlen_inputs,
-)
-from rlfeed.client.consistency import ratio_outlier_share
-from rlfeed.client.logprobs import checkpointed_log_probs, chunked_log_probs, full_log_probs
-from rlfeed.client.loss import (
-    LOSS_MODES,
-    PolicyLossStats,
-    aggregate_loss,
-    policy_loss,
-    rank_norm_const,
-)
+from __future__ import annotations
 
-__all__ = [
-    "LOSS_MODES",
-    "PolicyLossStats",
-    "aggregate_loss",
-    "block_causal_mask",
-    "checkpointed_log_probs",
-    "chunked_log_probs",
-    "concat_rows_cu_seqlens",
-    "full_log_probs",
-    "hf_packed_kwargs",
-    "policy_loss",
-    "position_ids_from_cu_seqlens",
-    "rank_norm_const",
-    "ratio_outlier_share",
-    "segment_ids_from_cu_seqlens",
-    "varlen_inputs",
-]
+import importlib
+from typing import Any
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    # trainer-side torch ops
+    "block_causal_mask": "attention",
+    "concat_rows_cu_seqlens": "attention",
+    "hf_packed_kwargs": "attention",
+    "position_ids_from_cu_seqlens": "attention",
+    "segment_ids_from_cu_seqlens": "attention",
+    "varlen_inputs": "attention",
+    "ratio_outlier_share": "consistency",
+    "checkpointed_log_probs": "logprobs",
+    "chunked_log_probs": "logprobs",
+    "full_log_probs": "logprobs",
+    "LOSS_MODES": "loss",
+    "PolicyLossStats": "loss",
+    "aggregate_loss": "loss",
+    "policy_loss": "loss",
+    "rank_norm_const": "loss",
+    # transport, producer and loader
+    "MicrobatchTensors": "arrow_codec",
+    "BatchLoader": "loader",
+    "TrainStep": "loader",
+    "RolloutWriter": "producer",
+    "BufferFullError": "transport",
+    "GrpcTransport": "transport",
+    "InProcessTransport": "transport",
+    "InvalidRolloutsError": "transport",
+    "SidecarError": "transport",
+    "StepReleasedError": "transport",
+    "Transport": "transport",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlfeed.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rlfeed.client.{module}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,11 +17,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import torch
 from rlfeed.proto import rlfeed_pb2 as pb
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: producers never pay for it
+    import torch
 
 INGEST_SCHEMA = pa.schema(
     [
@@ -173,20 +176,17 @@ MICROBATCH_COLUMNS = {
     "advantages": pa.float32(),
 }
 """The served `Microbatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
-_TORCH_DTYPES = {
-    "input_ids": torch.int32,
-    "position_ids": torch.int32,
-    "target_ids": torch.int32,
-    "loss_mask": torch.uint8,
-    "sampler_logprobs": torch.float32,
-    "advantages": torch.float32,
-}
 
 
 def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor]:
     """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column)."""
+    import torch
+
     if num_tokens == 0 and not arrow_ipc:
-        return {name: torch.zeros(0, dtype=_TORCH_DTYPES[name]) for name in MICROBATCH_COLUMNS}
+        return {
+            name: torch.from_numpy(np.zeros(0, dtype=dtype.to_pandas_dtype()))
+            for name, dtype in MICROBATCH_COLUMNS.items()
+        }
     table = pa.ipc.open_stream(arrow_ipc).read_all()
     out = {}
     for name, dtype in MICROBATCH_COLUMNS.items():
@@ -208,6 +208,8 @@ def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor
 
 def decode_step(response: pb.GetBatchResponse) -> list[MicrobatchTensors]:
     """A ready `GetBatchResponse` -> this rank's microbatches, in order."""
+    import torch
+
     if not response.ready:
         raise ValueError(f"step {response.step} is not ready; nothing to decode")
     if len(response.microbatches) != response.microbatches_per_rank:
