@@ -1,9 +1,8 @@
 """The README's producer and trainer examples, run verbatim against a real sidecar.
 
 The code blocks are read from README.md between `<!-- producer-example -->` /
-`<!-- trainer-example -->` markers and their closing `<!-- /... -->` markers, or from
-`.notes/readme_snippets.md` while README.md does not have them yet, so the examples
-users copy cannot rot.
+`<!-- trainer-example -->` markers and their closing `<!-- /... -->` markers, so the
+examples users copy cannot rot.
 """
 
 from __future__ import annotations
@@ -16,20 +15,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = (ROOT / "README.md", ROOT / ".notes" / "readme_snippets.md")
+README = ROOT / "README.md"
 
 
 def example(name: str) -> str:
-    """The python code block between the `name` markers of the first source that has it."""
+    """The python code block between the README's `name` markers."""
     pattern = re.compile(
         rf"<!-- {name} -->\s*```python\n(.*?)```\s*<!-- /{name} -->", flags=re.DOTALL
     )
-    for source in SOURCES:
-        if source.exists():
-            match = pattern.search(source.read_text())
-            if match:
-                return match.group(1)
-    raise AssertionError(f"no `{name}` block in {[str(s) for s in SOURCES]}")
+    match = pattern.search(README.read_text())
+    if not match:
+        raise AssertionError(f"README.md has no `{name}` python block between its markers")
+    return match.group(1)
 
 
 def test_readme_examples_are_complete_code_blocks():
