@@ -62,9 +62,10 @@ class SchedulerActor:
         """StepWork of every newly planned step; the caller materializes and stores it."""
         return self._scheduler.plan_ready_steps()
 
-    def store_step(self, step: int, responses: list[list], response_bytes: int) -> None:
-        """responses[rank] = [ObjectRef of that rank's GetBatchResponse bytes]."""
-        self._scheduler.store_step(step, responses, response_bytes)
+    def store_step(self, step: int, responses: list[list], response_bytes: int) -> Any:
+        """responses[rank] = [ObjectRef of that rank's GetBatchResponse bytes]; returns the
+        step's StepRecord."""
+        return self._scheduler.store_step(step, responses, response_bytes)
 
     def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
         """("ready", [ObjectRef of the response bytes]) | ("waiting", next_step) |

@@ -343,10 +343,10 @@ class Scheduler:
 
     def store_step(
         self, step: int, responses: list[Any], response_bytes: int | None = None
-    ) -> None:
+    ) -> StepRecord:
         """Keep every rank's response of a planned step: the serialized bytes (served as-is),
         or a handle to them (the actor keeps object references; `response_bytes` then gives
-        their total size for the step's record)."""
+        their total size for the step's record). Returns the step's record."""
         held = self._steps.get(step)
         if held is None or held.payloads is not None:
             raise ValueError(f"step {step} is not waiting for its responses")
@@ -355,7 +355,9 @@ class Scheduler:
         held.payloads = list(responses)
         if response_bytes is None:
             response_bytes = sum(len(r) for r in responses)
-        self.step_records.append(replace(held.record, response_bytes=int(response_bytes)))
+        record = replace(held.record, response_bytes=int(response_bytes))
+        self.step_records.append(record)
+        return record
 
     def assemble_ready_steps(self) -> list[int]:
         """Plan, materialize (with `resolve`) and store every ready step; returns them."""

@@ -37,9 +37,10 @@ from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.actors import create_scheduler_actor
 from rlfeed.service.codec import decode_rollout_batch, status_to_proto
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.events import ServerEvents, notify
 from rlfeed.service.materialize import materialize_work
-from rlfeed.service.scheduler import BatchMeta
-from rlfeed.service.validation import validate_rollout_batch
+from rlfeed.service.scheduler import BackpressureError, BatchMeta
+from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
@@ -98,9 +99,15 @@ def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
 class SidecarServicer:
     """Handlers of the rlfeed.v1 services; every scheduler call goes through `actor`."""
 
-    def __init__(self, config: SidecarConfig, actor: ray.actor.ActorHandle) -> None:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        actor: ray.actor.ActorHandle,
+        events: ServerEvents | None = None,
+    ) -> None:
         self.config = config
         self.actor = actor
+        self.events = events if events is not None else ServerEvents()
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._stopping = False
@@ -119,6 +126,8 @@ class SidecarServicer:
 
     @_unavailable_when_ray_fails
     def SubmitRolloutBatch(self, request: pb.RolloutBatch, context) -> pb.SubmitAck:
+        received = time.monotonic()
+        arrays = None
         try:
             arrays = decode_rollout_batch(request.arrow_ipc)
             validate_rollout_batch(
@@ -128,17 +137,27 @@ class SidecarServicer:
             )
         except ValueError as exc:
             self.actor.record_rejection.remote()
+            self._rejected(exc, arrays)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload = [ray.put(arrays.columns)] if len(arrays) else None
         kind, result = ray.get(
             self.actor.ingest_batch.remote(BatchMeta.from_arrays(arrays), payload)
         )
         if kind == "invalid":
+            self._rejected(InvalidBatchError(result), arrays)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, result)
         if kind == "backpressure":
+            self._rejected(BackpressureError(result), arrays)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result)
         if result.steps_ready:
             self._assemble()
+        notify(
+            self.events,
+            "on_ingest",
+            result,
+            tokens=int(arrays.token_ids.size),
+            seconds=time.monotonic() - received,
+        )
         return pb.SubmitAck(
             sequence=request.sequence,
             accepted=result.accepted,
@@ -148,18 +167,25 @@ class SidecarServicer:
             buffered_rollouts=result.buffered_rollouts,
         )
 
+    def _rejected(self, error: BaseException, arrays) -> None:
+        rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
+        notify(self.events, "on_reject", error, rollouts=rollouts, tokens=tokens)
+
     def _assemble(self) -> None:
         """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
         actor's), `ray.put` each rank's response and hand the actor the references; keep
         the bytes in a local cache so this front-end serves them without a copy back."""
+        planned_at = time.time()
         for work in ray.get(self.actor.plan_ready_steps.remote()):
             responses = materialize_work(work, resolve=lambda handle: ray.get(handle[0]))
             refs = [[ray.put(response)] for response in responses]
             self._responses.put(work.step, responses)
-            ray.get(self.actor.store_step.remote(work.step, refs, sum(map(len, responses))))
+            size = sum(map(len, responses))
+            record = ray.get(self.actor.store_step.remote(work.step, refs, size))
             with self._steps_changed:
                 self._steps_stored += 1
                 self._steps_changed.notify_all()
+            notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
 
     # ---- TaskSampling ---------------------------------------------------------------
 
@@ -174,6 +200,8 @@ class SidecarServicer:
     @_unavailable_when_ray_fails
     def SampleTasks(self, request: pb.SampleTasksRequest, context):
         _, result = ray.get(self.actor.sample_tasks.remote(int(request.n)))
+        requested = int(request.n) or self.config.rollouts.prompts_per_step
+        notify(self.events, "on_task_sample", requested=requested, result=result)
         return pb.SampleTasksResponse(
             task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
         )
@@ -194,7 +222,9 @@ class SidecarServicer:
             kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
             if kind == "ready":
                 cached = self._responses.get(step)
-                return cached[rank] if cached is not None else ray.get(value[0])
+                response = cached[rank] if cached is not None else ray.get(value[0])
+                notify(self.events, "on_served", step, rank, response)
+                return response
             if kind == "invalid":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
             if kind == "released":
@@ -222,6 +252,7 @@ class SidecarServicer:
             "step_seconds": request.step_seconds,
         }
         ray.get(self.actor.record_report.remote(int(request.rank), report))
+        notify(self.events, "on_trainer_report", int(request.rank), report)
         return pb.TrainerReportAck()
 
     # ---- SidecarStatus --------------------------------------------------------------
@@ -309,14 +340,19 @@ def _connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
     return True
 
 
-def start_server(config: SidecarConfig, ray_address: str | None = None) -> SidecarServer:
+def start_server(
+    config: SidecarConfig,
+    ray_address: str | None = None,
+    events: ServerEvents | None = None,
+) -> SidecarServer:
     """Start Ray (embedded, or join `ray_address`: "auto" or host:port) unless this process
-    already runs it, the scheduler actor and the gRPC server; returns once serving."""
+    already runs it, the scheduler actor and the gRPC server; returns once serving.
+    `events` receives the front-end's hooks (metrics); default: no-ops."""
     started_ray = _connect_ray(config, ray_address)
     actor = server = None
     try:
         actor = create_scheduler_actor(config)
-        servicer = SidecarServicer(config, actor)
+        servicer = SidecarServicer(config, actor, events)
         limit = config.server.max_message_bytes
         server = grpc.server(
             futures.ThreadPoolExecutor(

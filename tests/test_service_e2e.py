@@ -402,3 +402,61 @@ def test_rlfeed_serve_answers_health_and_status_then_stops_on_sigterm(tmp_path) 
             server.wait()
     gone = _rlfeed("status", "--address", address, "--timeout", "1")
     assert gone.returncode == 1 and "nothing answers at" in gone.stderr
+
+
+def test_event_hooks_see_ingest_rejects_steps_fetches_samples_and_reports(
+    ray_local, client_for
+) -> None:
+    from rlfeed.service.config import SidecarConfig, with_overrides
+    from rlfeed.service.events import ServerEvents
+    from rlfeed.service.server import start_server
+
+    class Recorder(ServerEvents):
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def on_ingest(self, result, *, tokens, seconds):
+            self.calls.append(("ingest", result.accepted, tokens))
+
+        def on_reject(self, error, *, rollouts, tokens):
+            self.calls.append(("reject", type(error).__name__, rollouts))
+
+        def on_step(self, record, *, responses, ready_time):
+            self.calls.append(("step", record.step, record.num_rollouts, len(responses)))
+
+        def on_served(self, step, rank, response):
+            self.calls.append(("served", step, rank))
+            raise RuntimeError("a broken hook must not fail the call it observes")
+
+        def on_task_sample(self, *, requested, result):
+            self.calls.append(("sample", requested, len(result.task_ids)))
+
+        def on_trainer_report(self, rank, report):
+            self.calls.append(("report", rank, report["loss"]))
+
+    recorder = Recorder()
+    config = with_overrides(
+        SidecarConfig(), server={"port": 0}, rollouts=GROUPS, ray={"actor_name": "events-test"}
+    )
+    sidecar = start_server(config, events=recorder)
+    try:
+        client = client_for(sidecar)
+        rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(7))
+        _register(client, rollouts)
+        client.tasks.SampleTasks(pb.SampleTasksRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            client.submit(_corrupt(rollouts, 1, "rewards", float("inf")), range(4))
+        client.submit(rollouts)
+        check_served_step(client.step_bytes(0, 1), rollouts)
+        client.batches.ReportTrainerMetrics(pb.TrainerReport(step=0, rank=0, loss=1.5), timeout=10)
+    finally:
+        sidecar.stop(grace=0.5)
+    tokens = sum(t.size for t in rollouts.token_ids)
+    assert recorder.calls == [
+        ("sample", 2, 2),
+        ("reject", "InvalidBatchError", 4),
+        ("step", 0, 8, 1),
+        ("ingest", 8, tokens),
+        ("served", 0, 0),
+        ("report", 0, 1.5),
+    ]
