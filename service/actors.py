@@ -88,6 +88,10 @@ class SchedulerActor:
         """Step statistics with step >= since_step (for the metrics exporter)."""
         return [r for r in self._scheduler.step_records if r.step >= since_step]
 
+    def pass_rate_estimates(self) -> Any:
+        """float64 [tasks]: every task's pass-rate estimate (the metrics' histogram)."""
+        return self._scheduler.pass_rate_estimates()
+
 
 def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
     """Start the named scheduler actor; RuntimeError if one with that name already runs."""

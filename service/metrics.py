@@ -138,6 +138,7 @@ _REASON_PHRASES: tuple[tuple[str, str], ...] = (
     ("entries but token_ids has", "length_mismatch"),
     ("empty sequence", "length_mismatch"),
     ("field action_mask", "bad_action_mask"),
+    ("is negative; versions", "bad_policy_version"),
     ("group_size", "group_overflow"),
     ("belongs to task", "group_overflow"),
     ("arrow_ipc", "malformed"),

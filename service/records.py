@@ -18,6 +18,8 @@ from rlfeed.service.codec import RolloutBatchArrays
 class BackpressureError(RuntimeError):
     """The buffer is full (max_buffered_rollouts); the batch was not taken. Retry later."""
 
+    reason = "buffer_full"  # the metrics' reject reason
+
 
 @dataclass(frozen=True)
 class BatchMeta:
@@ -52,6 +54,11 @@ class IngestResult:
     newest_policy_version: int
     buffered_rollouts: int
     steps_ready: int  # steps `assemble_ready_steps` would assemble now
+    accepted_tokens: int = 0  # tokens of the accepted rollouts
+    # Rollouts of earlier batches dropped by this call because their group went stale (the
+    # newest policy version moved on); `stale` counts this batch's own stale rollouts.
+    stale_buffered: int = 0
+    stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,9 @@ class Scheduler:
         unknown.difference_update(self._task_index)
         if unknown:
             row = min(row for rows in by_group.values() for row in rows if tasks[row] in unknown)
-            raise rollout_error(ids[row], "task_id", f"unknown task {tasks[row]!r}")
+            raise rollout_error(
+                ids[row], "task_id", f"unknown task {tasks[row]!r}", reason="unknown_task"
+            )
         stale_groups: set[str] = set()
         incoming = 0
         for group_id, rows in by_group.items():
@@ -183,7 +185,10 @@ class Scheduler:
             for row in rows:
                 if tasks[row] != group_task:
                     raise rollout_error(
-                        ids[row], "group_id", f"group {group_id!r} belongs to task {group_task!r}"
+                        ids[row],
+                        "group_id",
+                        f"group {group_id!r} belongs to task {group_task!r}",
+                        reason="group_overflow",
                     )
             closed = self._closed.get(group_id)
             if closed == "stale":
@@ -194,6 +199,7 @@ class Scheduler:
                     ids[rows[0]],
                     "group_id",
                     f"group {group_id!r} already has its {rollouts.group_size} rollouts",
+                    reason="group_overflow",
                 )
             if min(versions[row] for row in rows) < oldest_allowed:
                 stale_groups.add(group_id)
@@ -204,6 +210,7 @@ class Scheduler:
                     ids[rows[room]],
                     "group_id",
                     f"group {group_id!r} would exceed group_size {rollouts.group_size}",
+                    reason="group_overflow",
                 )
             incoming += len(rows)
         if newest > self._newest_version:
@@ -222,6 +229,9 @@ class Scheduler:
 
         # Phase 2: apply.
         self._newest_version = newest
+        stale_tokens = sum(
+            row[6] for g in stale_groups if self._group(g) for row in self._group(g).rows
+        )
         for group_id in stale_groups:
             self._drop_group(group_id, "stale")
         batch_key = self._next_batch_key
@@ -230,12 +240,14 @@ class Scheduler:
         self._next_arrival += n
         rewards, lengths = meta.rewards.tolist(), meta.lengths.tolist()
         policy_tokens = meta.policy_tokens.tolist()
-        stale = accepted = 0
+        stale = accepted = accepted_tokens = 0
         completed: list[tuple[int, str]] = []  # (completing row, group id)
         for group_id, rows in by_group.items():
             seen.update(ids[row] for row in rows)
+            tokens = sum(lengths[row] for row in rows)
             if group_id in stale_groups:
                 stale += len(rows)
+                stale_tokens += tokens
                 continue
             group = self._open.setdefault(group_id, _Group(task_id=tasks[rows[0]]))
             group.rows.extend(
@@ -253,8 +265,9 @@ class Scheduler:
             )
             group.min_version = min(group.min_version, *(versions[row] for row in rows))
             # int32 id + uint8 mask + float32 log-prob per token
-            self._buffered_bytes += 9 * sum(lengths[row] for row in rows)
+            self._buffered_bytes += 9 * tokens
             accepted += len(rows)
+            accepted_tokens += tokens
             if len(group.rows) == rollouts.group_size:
                 completed.append((rows[-1], group_id))
         self._buffered_rollouts += accepted
@@ -272,6 +285,9 @@ class Scheduler:
             newest_policy_version=max(self._newest_version, 0),
             buffered_rollouts=self._buffered_rollouts,
             steps_ready=len(self._complete) // rollouts.prompts_per_step,
+            accepted_tokens=accepted_tokens,
+            stale_buffered=freed,
+            stale_tokens=stale_tokens,
         )
 
     def record_rejection(self) -> None:
@@ -472,3 +488,8 @@ class Scheduler:
             last_step=self.step_records[-1] if self.step_records else None,
             last_reports={rank: dict(r) for rank, r in self.last_reports.items()},
         )
+
+    def pass_rate_estimates(self) -> np.ndarray:
+        """float64 [tasks]: the current pass-rate estimate of every registered task, in
+        registration order (a copy; the metrics' pass-rate histogram reads it)."""
+        return np.array(self._pass_rates.estimate, dtype=np.float64)

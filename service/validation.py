@@ -17,11 +17,21 @@ from rlfeed.service.codec import RolloutBatchArrays
 
 
 class InvalidBatchError(ValueError):
-    """A rollout batch that breaks the wire contract; the message names rollout and field."""
+    """A rollout batch that breaks the wire contract; the message names rollout and field.
+
+    `reason` names the broken rule for the metrics' `reason` label (a value of
+    `metric_families.REJECT_REASONS`); None when unknown, e.g. for an error rebuilt from
+    its message after crossing the actor boundary."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-def rollout_error(rollout_id: str, field: str, problem: str) -> InvalidBatchError:
-    return InvalidBatchError(f"rollout {rollout_id!r}: field {field}: {problem}")
+def rollout_error(
+    rollout_id: str, field: str, problem: str, *, reason: str | None = None
+) -> InvalidBatchError:
+    return InvalidBatchError(f"rollout {rollout_id!r}: field {field}: {problem}", reason=reason)
 
 
 def _rollout_of_token(offsets: np.ndarray, position: int) -> int:
@@ -32,19 +42,24 @@ def _check_ids(batch: RolloutBatchArrays) -> None:
     seen: dict[str, int] = {}
     for row, rollout_id in enumerate(batch.rollout_ids):
         if not rollout_id:
-            raise InvalidBatchError(f"row {row}: field rollout_id: empty rollout id")
+            raise InvalidBatchError(
+                f"row {row}: field rollout_id: empty rollout id", reason="malformed"
+            )
         if rollout_id in seen:
             raise rollout_error(
                 rollout_id,
                 "rollout_id",
                 f"duplicate in this batch (rows {seen[rollout_id]}, {row})",
+                reason="duplicate_in_batch",
             )
         seen[rollout_id] = row
     for field in ("task_ids", "group_ids"):
         values = getattr(batch, field)
         empty = [row for row, value in enumerate(values) if not value]
         if empty:
-            raise rollout_error(batch.rollout_ids[empty[0]], field[:-1], "empty")
+            raise rollout_error(
+                batch.rollout_ids[empty[0]], field[:-1], "empty", reason="malformed"
+            )
 
 
 def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
@@ -61,10 +76,16 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
                 batch.rollout_ids[row],
                 field,
                 f"{int(other[row])} entries but token_ids has {int(lengths[row])}",
+                reason="length_mismatch",
             )
     empty = np.flatnonzero(lengths < 1)
     if empty.size:
-        raise rollout_error(batch.rollout_ids[int(empty[0])], "token_ids", "empty sequence")
+        raise rollout_error(
+            batch.rollout_ids[int(empty[0])],
+            "token_ids",
+            "empty sequence",
+            reason="length_mismatch",
+        )
     too_long = np.flatnonzero(lengths > token_budget)
     if too_long.size:
         row = int(too_long[0])
@@ -73,6 +94,7 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
             "token_ids",
             f"{int(lengths[row])} tokens, longer than the token budget {token_budget}; "
             "refusing to truncate",
+            reason="too_long",
         )
 
 
@@ -84,6 +106,7 @@ def _check_versions(batch: RolloutBatchArrays) -> None:
             batch.rollout_ids[row],
             "policy_version",
             f"{int(batch.policy_versions[row])} is negative; versions count up from 0",
+            reason="bad_policy_version",
         )
 
 
@@ -91,7 +114,12 @@ def _check_finite(batch: RolloutBatchArrays) -> None:
     bad_reward = np.flatnonzero(~np.isfinite(batch.rewards))
     if bad_reward.size:
         row = int(bad_reward[0])
-        raise rollout_error(batch.rollout_ids[row], "reward", f"{batch.rewards[row]} is not finite")
+        raise rollout_error(
+            batch.rollout_ids[row],
+            "reward",
+            f"{batch.rewards[row]} is not finite",
+            reason="non_finite",
+        )
     bad_logprob = np.flatnonzero(~np.isfinite(batch.sampler_logprobs))
     if bad_logprob.size:
         position = int(bad_logprob[0])
@@ -101,6 +129,7 @@ def _check_finite(batch: RolloutBatchArrays) -> None:
             "sampler_logprobs",
             f"{batch.sampler_logprobs[position]} at token {position - int(batch.offsets[row])} "
             "is not finite",
+            reason="non_finite",
         )
 
 
@@ -116,6 +145,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             "token_ids",
             f"token id {int(batch.token_ids[position])} at token "
             f"{position - int(batch.offsets[row])} is outside {bound}",
+            reason="token_out_of_range",
         )
     not_binary = np.flatnonzero(batch.action_mask > 1)
     if not_binary.size:
@@ -126,6 +156,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             "action_mask",
             f"value {int(batch.action_mask[position])} at token "
             f"{position - int(batch.offsets[row])}; must be 0 or 1",
+            reason="bad_action_mask",
         )
     first_is_policy = np.flatnonzero(batch.action_mask[batch.offsets[:-1]] != 0)
     if first_is_policy.size:
@@ -133,6 +164,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             batch.rollout_ids[int(first_is_policy[0])],
             "action_mask",
             "action_mask[0] is 1, but nothing predicts a sequence's first token",
+            reason="bad_action_mask",
         )
 
 
@@ -160,5 +192,8 @@ def validate_rollout_batch(
         for row, task_id in enumerate(batch.task_ids):
             if not is_known_task(task_id):
                 raise rollout_error(
-                    batch.rollout_ids[row], "task_id", f"unknown task {task_id!r} (not registered)"
+                    batch.rollout_ids[row],
+                    "task_id",
+                    f"unknown task {task_id!r} (not registered)",
+                    reason="unknown_task",
                 )
