@@ -39,7 +39,12 @@ class ServerConfig:
 
     host: str = _f("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
     port: int = _f(50051, "gRPC port; 0 picks a free port (printed at start-up)")
-    metrics_port: int = _f(0, "Prometheus /metrics port; 0 = no metrics endpoint")
+    metrics_port: int = _f(0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint")
+    metrics_host: str = _f(
+        "127.0.0.1",
+        "interface the metrics port binds, separate from host so it stays on loopback when "
+        "gRPC serves other machines; 0.0.0.0 for a remote Prometheus",
+    )
     max_message_bytes: int = _f(
         512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
     )
@@ -55,6 +60,7 @@ class ServerConfig:
             0 <= self.port < 65536, "server", "port", f"must be in [0, 65535], got {self.port}"
         )
         _require(0 <= self.metrics_port < 65536, "server", "metrics_port", "must be in [0, 65535]")
+        _require(bool(self.metrics_host), "server", "metrics_host", "must not be empty")
         _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
         _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
         _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
@@ -184,9 +190,30 @@ class AccountingConfig:
     model: str = _f("qwen3-8b", "model preset name (sched.models.MODELS)")
     gpu: str = _f("h200", "GPU preset name (sched.models.GPUS)")
     mfu: float = _f(0.4, "training model-FLOPs utilization assumed for pricing, 0-1")
+    decode_batch: int = _f(64, "sequences one inference GPU decodes at once, for decode pricing")
+    decode_context: int = _f(
+        16_384, "context while decoding, tokens (KV-cache reads per decoded token)"
+    )
+    busy_fraction: float = _f(
+        0.5, "share of wall time the inference GPUs generate, in (0, 1]; divides decode GPU-hours"
+    )
+    logprob_forward_passes: int = _f(
+        2, "extra forward passes per trained position (reference and old-policy log-probs)"
+    )
 
     def __post_init__(self) -> None:
         _require(0 < self.mfu <= 1, "accounting", "mfu", f"must be in (0, 1], got {self.mfu}")
+        _require(self.decode_batch >= 1, "accounting", "decode_batch", "must be >= 1")
+        _require(self.decode_context >= 0, "accounting", "decode_context", "must be >= 0")
+        _require(
+            0 < self.busy_fraction <= 1,
+            "accounting",
+            "busy_fraction",
+            f"must be in (0, 1], got {self.busy_fraction}",
+        )
+        _require(
+            self.logprob_forward_passes >= 0, "accounting", "logprob_forward_passes", "must be >= 0"
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
