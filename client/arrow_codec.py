@@ -177,14 +177,17 @@ MICROBATCH_COLUMNS = {
 }
 """The served `Microbatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
 
+_WIDENED = {"position_ids": np.int64}  # what Hugging Face models take; the rest stay as served
+
 
 def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor]:
-    """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column)."""
+    """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column),
+    except the `_WIDENED` columns, which are converted copies."""
     import torch
 
     if num_tokens == 0 and not arrow_ipc:
         return {
-            name: torch.from_numpy(np.zeros(0, dtype=dtype.to_pandas_dtype()))
+            name: torch.from_numpy(np.zeros(0, dtype=_WIDENED.get(name, dtype.to_pandas_dtype())))
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
     table = pa.ipc.open_stream(arrow_ipc).read_all()
@@ -199,6 +202,10 @@ def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor
         if len(chunk) != num_tokens:
             raise ValueError(f"served column {name!r} has {len(chunk)} rows, expected {num_tokens}")
         array = chunk.to_numpy(zero_copy_only=True)
+        if name in _WIDENED:
+            # Widened in numpy, not with `tensor.to`: torch would parallelize this over
+            # OpenMP threads, whose wake-ups cost milliseconds on a busy few-core machine.
+            array = array.astype(_WIDENED[name])
         with warnings.catch_warnings():
             # The array views immutable message bytes; torch warns about that on every call.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -231,7 +238,7 @@ def decode_step(response: pb.GetBatchResponse) -> list[MicrobatchTensors]:
         out.append(
             MicrobatchTensors(
                 input_ids=columns["input_ids"],
-                position_ids=columns["position_ids"].to(torch.int64),
+                position_ids=columns["position_ids"],
                 cu_seqlens=cu_seqlens,
                 max_seqlen=int(message.max_seqlen),
                 target_ids=columns["target_ids"],

@@ -122,18 +122,8 @@ def producer_main(case: Case, address: str, producer: int, producers: int, go, r
 
 def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     from rlfeed.client.loader import BatchLoader
-    from rlfeed.client.transport import GrpcTransport
 
-    class Counting(GrpcTransport):
-        def get_batch(self, step, rank, wait_s):
-            response = super().get_batch(step, rank, wait_s)
-            if response.ready:
-                self.sizes.append(response.ByteSize())
-            return response
-
-    transport = Counting(address)
-    transport.sizes = []
-    loader = BatchLoader(transport, rank, WORLD_SIZE, stop_step=case.steps, timeout_s=300)
+    loader = BatchLoader(address, rank, WORLD_SIZE, stop_step=case.steps, timeout_s=300)
     policy_tokens = 0
     results.put(("ready", rank, 0))
     go.wait()
@@ -141,13 +131,25 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
         for mb in step:
             policy_tokens += int(mb.loss_mask.sum())
     loader.close()
-    results.put(("trainer", rank, (time.perf_counter(), policy_tokens, transport.sizes)))
+    results.put(("trainer", rank, (time.perf_counter(), policy_tokens)))
 
 
 def run_e2e(case: Case, producers: int) -> dict:
     from rlfeed.service.config import SidecarConfig, with_overrides
+    from rlfeed.service.events import ServerEvents
     from rlfeed.service.server import start_server
 
+    class ServedSizes(ServerEvents):
+        """Sizes of the GetBatch responses as sent, counted where they are sent, so the
+        trainer ranks' timed loop does no extra work (re-serializing to measure it)."""
+
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+
+        def on_served(self, step: int, rank: int, response: bytes) -> None:
+            self.sizes.append(len(response))
+
+    served = ServedSizes()
     config = with_overrides(
         SidecarConfig(),
         server={"port": 0},
@@ -158,7 +160,7 @@ def run_e2e(case: Case, producers: int) -> dict:
             "max_buffered_rollouts": max(case.rollouts, 200_000),
         },
     )
-    sidecar = start_server(config)
+    sidecar = start_server(config, events=served)
     ctx = mp.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     from rlfeed.client.producer import RolloutWriter
@@ -181,13 +183,12 @@ def run_e2e(case: Case, producers: int) -> dict:
             ingest_bytes += size
         started = time.perf_counter()
         go.set()
-        ends, policy_tokens, sizes, producer_seconds = [], 0, [], []
+        ends, policy_tokens, producer_seconds = [], 0, []
         for _ in processes:
             kind, _, value = results.get(timeout=600)
             if kind == "trainer":
                 ends.append(value[0])
                 policy_tokens += value[1]
-                sizes.extend(value[2])
             else:
                 producer_seconds.append(value)
         seconds = max(ends) - started
@@ -199,10 +200,11 @@ def run_e2e(case: Case, producers: int) -> dict:
         sidecar.stop(grace=1.0)
     expected_policy = case.rollouts * (case.tokens - case.tokens // 4)
     assert policy_tokens == expected_policy, (policy_tokens, expected_policy)
+    assert len(served.sizes) == case.steps * WORLD_SIZE, "a (step, rank) served twice?"
     return {
         "seconds": seconds,
         "ingest_bytes": ingest_bytes,
-        "served_sizes": sizes,
+        "served_sizes": list(served.sizes),
         "producer_seconds": max(producer_seconds),
     }
 
