@@ -4,7 +4,14 @@ The fleet runs in this process (a thread) and stays at most two steps ahead of t
 the two trainer ranks are separate processes (`python -m rlfeed.service.demo_trainer`) with
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set as torchrun would set them. Rank 0 prints
 one line per step and appends its figures to a JSON-lines file, which the summary reads.
+The fleet stops producing once the groups of the last step to train are in, so the sidecar
+assembles exactly the steps trained (the summary and the metrics then count the same steps).
 Every started thing is stopped on every path (`try/finally`).
+
+The summary prices each trained step with `metric_figures.price_tokens` under the config's
+`[accounting]`, the function and assumptions the metrics use: from the sidecar's own step
+records when the demo runs it (embedded), else from rank 0's figures (a running sidecar:
+positions computed = tokens, which is what the demo trainer's varlen attention computes).
 """
 
 from __future__ import annotations
@@ -23,9 +30,6 @@ from rlfeed.service.commands.demo import DEMO_OVERRIDES
 
 # Sampled groups the fleet keeps in flight ahead of the trainers, in steps.
 STEPS_AHEAD = 2
-# Episode shape of the GPU-hour estimate beyond the measured token counts (rlfeed.sched
-# throughput defaults: decode batch 64 at a 16k context, decode GPUs busy half the time).
-DECODE_BATCH, DECODE_CONTEXT, BUSY_FRACTION = 64, 16_384, 0.5
 
 
 def _free_port() -> int:
@@ -34,18 +38,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _load_config(config_path: str | None):
+def _load_config(config_path: str | None, metrics_port: int | None = None):
     from rlfeed.service.config import load_config, with_overrides
 
     config = load_config(config_path)
     if config_path is None:
-        return with_overrides(config, **DEMO_OVERRIDES)
-    # A user's file keeps its values; the demo only needs a free port and two ranks.
-    return with_overrides(config, server={"port": 0}, batching={"world_size": 2})
+        config = with_overrides(config, **DEMO_OVERRIDES)
+    else:
+        # A user's file keeps its values; the demo only needs a free port and two ranks.
+        config = with_overrides(config, server={"port": 0}, batching={"world_size": 2})
+    if metrics_port is not None:
+        config = with_overrides(config, server={"metrics_port": metrics_port})
+    return config
 
 
-def run_demo(*, address: str | None, steps: int, config_path: str | None, seed: int) -> int:
-    """Start what is missing, train `steps` steps, print the summary; 0 on success."""
+def run_demo(
+    *,
+    address: str | None,
+    steps: int,
+    config_path: str | None,
+    seed: int,
+    metrics_port: int | None = None,
+) -> int:
+    """Start what is missing, train `steps` steps, print the summary; 0 on success.
+    `metrics_port` (embedded sidecar only) overrides `[server] metrics_port`."""
     import torch
     from rlfeed.client.producer import RolloutWriter
     from rlfeed.client.transport import GrpcTransport
@@ -54,20 +70,35 @@ def run_demo(*, address: str | None, steps: int, config_path: str | None, seed: 
 
     torch.set_num_threads(1)
     started = time.monotonic()
-    config = _load_config(config_path)
-    sidecar = None
+    config = _load_config(config_path, metrics_port)
+    sidecar = exporter = None
     if address is None:
+        from rlfeed.service.metrics_events import SidecarExporter
         from rlfeed.service.server import start_server
 
         print("starting the sidecar on an embedded local Ray ...", flush=True)
-        sidecar = start_server(config)
+        if config.server.metrics_port:
+            exporter = SidecarExporter(config)
+        sidecar = start_server(config, events=exporter.events if exporter else None)
         address = sidecar.address
     trainers: list[subprocess.Popen] = []
     stop_fleet = threading.Event()
     fleet_thread = None
-    transport = GrpcTransport(address)
+    transport = None
     workdir = tempfile.TemporaryDirectory(prefix="rlfeed-demo-")
     try:
+        if exporter is not None:
+            try:
+                exporter.start(sidecar.actor)
+            except OSError as exc:
+                where = f"{config.server.metrics_host}:{config.server.metrics_port}"
+                print(f"rlfeed demo: cannot serve metrics on {where}: {exc}", file=sys.stderr)
+                return 1
+            print(
+                f"metrics: {exporter.url}/metrics, layout picture: {exporter.url}/layout.png",
+                flush=True,
+            )
+        transport = GrpcTransport(address)
         status = transport.status()
         world_size, start_step = int(status.world_size), int(status.next_step)
         print(
@@ -95,8 +126,12 @@ def run_demo(*, address: str | None, steps: int, config_path: str | None, seed: 
         def ready() -> bool:
             now = transport.status()
             progress["version"] = _trained_steps(now, world_size, start_step)
+            coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
             queued = now.next_step - progress["version"]
-            return queued + now.complete_groups / max(now.prompts_per_step, 1) < STEPS_AHEAD
+            # Nothing for steps nobody trains: a round adds at most one step's groups, so
+            # the sidecar assembles exactly start_step + steps steps.
+            needed = now.next_step + coming < start_step + steps
+            return needed and queued + coming < STEPS_AHEAD
 
         def fleet() -> None:
             try:
@@ -126,7 +161,14 @@ def run_demo(*, address: str | None, steps: int, config_path: str | None, seed: 
             print(f"rlfeed demo: trainer rank(s) {failed} failed", file=sys.stderr)
             return 1
         figures = [json.loads(line) for line in summary_path.read_text().splitlines()]
-        _print_summary(figures, fleet_stats, transport.status(), config, time.monotonic() - started)
+        records = {}
+        if sidecar is not None:
+            import ray
+
+            records = {r.step: r for r in ray.get(sidecar.actor.step_records.remote(start_step))}
+        _print_summary(
+            figures, records, fleet_stats, transport.status(), config, time.monotonic() - started
+        )
         return 0 if len(figures) == steps else 1
     finally:
         stop_fleet.set()
@@ -136,10 +178,15 @@ def run_demo(*, address: str | None, steps: int, config_path: str | None, seed: 
             process.wait()
         if fleet_thread is not None:
             fleet_thread.join(timeout=10)
-        transport.close()
-        if sidecar is not None:
-            sidecar.stop(grace=1.0)
-        workdir.cleanup()
+        if transport is not None:
+            transport.close()
+        try:
+            if exporter is not None:
+                exporter.stop()
+        finally:
+            if sidecar is not None:
+                sidecar.stop(grace=1.0)
+            workdir.cleanup()
 
 
 def _trained_steps(status, world_size: int, start_step: int) -> int:
@@ -195,41 +242,59 @@ def _wait_for(processes: list[subprocess.Popen], abort: threading.Event) -> list
         time.sleep(0.1)
 
 
-def _print_summary(figures, fleet_stats, status, config, seconds: float) -> None:
-    from rlfeed.sched.throughput import GPUS, MODELS, step_cost_from_tokens
+def _step_prices(figures, records, cost):
+    """(real tokens, computed positions, padded positions, StepPrice) of every trained step:
+    the sidecar's record of it when known, else rank 0's figures."""
+    from rlfeed.service.metric_figures import price_tokens
+
+    steps = []
+    for figure in figures:
+        record = records.get(figure["step"])
+        if record is not None:
+            policy, real = record.policy_token_count, record.real_tokens
+            computed, padded = record.computed_positions, record.padded_positions
+        else:
+            policy, real = figure["policy_tokens"], figure["tokens"]
+            computed, padded = real, figure["padded_positions"]
+        price = price_tokens(
+            cost,
+            policy_tokens=policy,
+            real_tokens=real,
+            computed_positions=computed,
+            padded_positions=padded,
+        )
+        steps.append((real, computed, padded, price))
+    return steps
+
+
+def _print_summary(figures, records, fleet_stats, status, config, seconds: float) -> None:
+    from rlfeed.service.metric_figures import SECONDS_PER_HOUR, share
+    from rlfeed.service.metrics import MetricsConfig
 
     steps = len(figures)
     tokens = sum(f["tokens"] for f in figures)
     policy_tokens = sum(f["policy_tokens"] for f in figures)
-    padded = sum(f["padded_positions"] for f in figures)
     rollouts = sum(f["rollouts"] for f in figures)
     zero_share = fleet_stats.zero_advantage_groups / max(fleet_stats.groups, 1)
     uniform_share = fleet_stats.expected_uniform_zero_advantage_groups / max(fleet_stats.groups, 1)
     dropped = status.counters.zero_advantage_rollouts_dropped
-    accounting = config.accounting
-    arch, gpu = MODELS[accounting.model], GPUS[accounting.gpu]
-
-    def cost(computed: int):
-        return step_cost_from_tokens(
-            arch,
-            gpu,
-            policy_tokens=policy_tokens // steps,
-            total_tokens=tokens // steps,
-            computed_positions=computed // steps,
-            decode_batch=DECODE_BATCH,
-            decode_context=DECODE_CONTEXT,
-            busy_fraction=BUSY_FRACTION,
-            mfu=accounting.mfu,
-        )
-
-    packed, padded_cost = cost(tokens), cost(max(padded, tokens))
+    cost = MetricsConfig.from_sidecar_config(config).cost
+    priced = _step_prices(figures, records, cost)
+    real = sum(p[0] for p in priced)
+    computed = sum(p[1] for p in priced)
+    padded = sum(p[2] for p in priced)
+    gpu_hours = sum(p[3].total_gpu_seconds for p in priced) / SECONDS_PER_HOUR / steps
+    # The padded alternative trains every padded position: the plan's price plus the padding
+    # packing avoided.
+    avoided_hours = sum(p[3].padding_avoided_gpu_seconds for p in priced) / SECONDS_PER_HOUR
+    padded_hours = gpu_hours + avoided_hours / steps
     lines = {
         "steps": f"{steps}",
         "rollouts trained": f"{rollouts:,}",
         "tokens": f"{tokens:,} ({policy_tokens:,} policy tokens)",
         "padding share": (
-            f"{0.0:.1%} packed vs {(padded - tokens) / max(padded, 1):.1%} padded alternative "
-            f"({padded:,} positions)"
+            f"{share(computed - real, computed):.1%} packed vs "
+            f"{share(padded - real, padded):.1%} padded alternative ({padded:,} positions)"
         ),
         "zero-advantage share": (
             f"{zero_share:.1%} of {fleet_stats.groups} sampled groups; uniform sampling: "
@@ -242,8 +307,8 @@ def _print_summary(figures, fleet_stats, status, config, seconds: float) -> None
         "step-0 ratio outlier share": f"{figures[0]['ratio_outlier_share']:.4f}",
         "final loss": f"{figures[-1]['loss']:+.4f}",
         "predicted GPU-hours per step": (
-            f"{packed.total_gpu_hours:.3g} packed vs {padded_cost.total_gpu_hours:.3g} padded "
-            f"({accounting.model} on {accounting.gpu}, at this step's token counts)"
+            f"{gpu_hours:.4g} packed vs {padded_hours:.4g} padded "
+            f"({cost.model} on {cost.gpu}, at these steps' token counts)"
         ),
         "wall time": f"{seconds:.1f} s",
     }

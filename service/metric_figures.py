@@ -104,9 +104,38 @@ class StepPrice:
     padding_gpu_seconds: float  # training + log-prob passes over the plan's padding
     padding_avoided_gpu_seconds: float  # the same over padded alternative - computed
 
+    @property
+    def total_gpu_seconds(self) -> float:
+        return sum(self.gpu_seconds.values())
+
 
 def price_step(figures: StepFigures, cost: CostAssumptions) -> StepPrice:
     """Price a step with the scheduling core's accounting (see the module docstring)."""
+    return price_tokens(
+        cost,
+        policy_tokens=figures.policy_token_count,
+        real_tokens=figures.real_tokens,
+        computed_positions=figures.computed_positions,
+        padded_positions=figures.padded_positions,
+        generated_policy_tokens=figures.generated_policy_tokens,
+        generated_tokens=figures.generated_tokens,
+    )
+
+
+def price_tokens(
+    cost: CostAssumptions,
+    *,
+    policy_tokens: int,
+    real_tokens: int,
+    computed_positions: int,
+    padded_positions: int,
+    generated_policy_tokens: int | None = None,
+    generated_tokens: int | None = None,
+) -> StepPrice:
+    """The price of one step from its token counts alone (what `price_step` and the demo's
+    summary use): decode on the policy tokens generated (`generated_policy_tokens`, default
+    `policy_tokens`), training and log-prob passes on `computed_positions`, padding avoided
+    against `padded_positions`."""
     from rlfeed.sched.models import GPUS, MODELS
     from rlfeed.sched.throughput import step_cost_from_tokens
 
@@ -124,15 +153,12 @@ def price_step(figures: StepFigures, cost: CostAssumptions) -> StepPrice:
             logprob_forward_passes=cost.logprob_forward_passes,
         )
 
-    f = figures
-    trained = priced(f.policy_token_count, f.real_tokens, f.computed_positions)
+    trained = priced(policy_tokens, real_tokens, computed_positions)
     decode_hours = trained.decode_gpu_hours
-    if f.generated_policy_tokens is not None:
-        total = max(f.generated_tokens or f.real_tokens, f.generated_policy_tokens)
-        decode_hours = priced(f.generated_policy_tokens, total).decode_gpu_hours
-    padded = priced(
-        f.policy_token_count, f.real_tokens, max(f.padded_positions, f.computed_positions)
-    )
+    if generated_policy_tokens is not None:
+        total = max(generated_tokens or real_tokens, generated_policy_tokens)
+        decode_hours = priced(generated_policy_tokens, total).decode_gpu_hours
+    padded = priced(policy_tokens, real_tokens, max(padded_positions, computed_positions))
     hours = {
         "decode": decode_hours,
         "train": trained.train_gpu_hours,

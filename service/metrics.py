@@ -7,33 +7,10 @@ endpoint is `rlfeed.service.metrics_http.MetricsServer`; the metric definitions 
 `rlfeed.service.metric_families`, the per-step figures and their price in
 `rlfeed.service.metric_figures`. No label carries a task, group or rollout id.
 
-Wiring (each call is cheap and thread-safe; `actor` is the scheduler actor):
-
-    metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
-    metrics.set_refresh(lambda: metrics.on_status(ray.get(actor.status.remote())))
-    server = MetricsServer(metrics, host=config.server.host,
-                           port=config.server.metrics_port).start()
-    # SubmitRolloutBatch, after the ack / when it rejects the batch:
-    metrics.on_ingest(accepted=r.accepted, accepted_tokens=..., duplicate=r.duplicate,
-                      stale=r.stale, ack_seconds=time.monotonic() - t_received,
-                      buffered_rollouts=r.buffered_rollouts,
-                      newest_policy_version=r.newest_policy_version)
-    metrics.on_reject(reject_reason(exc), rollouts=len(arrays), tokens=...)
-    # _assemble(), t0 = time.time() before plan_ready_steps, per stored step `work`:
-    metrics.on_step(record_of(work.step), ready_time=t0,
-                    layout=functools.partial(layout_from_batch_responses, responses,
-                                             token_budget=config.batching.token_budget))
-    # GetBatch, when it returns a ready response:
-    metrics.on_served(step, rank)   # (response=bytes feeds /layout.png if on_step had none)
-    # SampleTasks / ReportTrainerMetrics:
-    metrics.on_task_sample(requested=request.n or prompts_per_step, returned=len(ids),
-                           revisits=sum(revisit), group_size=config.rollouts.group_size)
-    metrics.on_trainer_report(step=..., rank=..., loss=..., ratio_outlier_share=...,
-                              tokens_per_second=..., step_seconds=...)
-    server.stop()
-
-`record_of(step)` is the scheduler's `StepRecord` of that step (`actor.step_records`), or
-anything with its field names (the proto's StepStats has them too).
+Wiring: `rlfeed.service.metrics_events` (`MetricsEvents`, the gRPC front-end's hooks
+forwarded here; `SidecarExporter`, what `rlfeed serve --metrics-port` runs). Each update is
+cheap and thread-safe; `on_step` takes the scheduler's `StepRecord` or anything with its
+field names (the proto's StepStats has them too).
 
 Definitions where a number could mean several things:
 - fill: real tokens / (world_size x microbatches_per_rank x token_budget), the share of the
@@ -58,6 +35,7 @@ Definitions where a number could mean several things:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -388,17 +366,22 @@ class RlfeedMetrics:
         tokens_per_second: float,
         step_seconds: float | None = None,
     ) -> None:
-        """What rank `rank` measured for step `step` (a TrainerReport)."""
+        """What rank `rank` measured for step `step` (a TrainerReport). A value that is None
+        or not finite (NaN: not measured this step, e.g. the ratio outlier share, which
+        trainers measure at their first step only) leaves its gauge as it was."""
         if not 0 <= rank < self.config.world_size:
             raise ValueError(f"rank {rank} outside [0, {self.config.world_size})")
         m, label = self.families, str(rank)
         m.trainer_reports.inc()
-        m.trainer_loss.labels(rank=label).set(loss)
-        m.trainer_outliers.labels(rank=label).set(ratio_outlier_share)
-        m.trainer_tps.labels(rank=label).set(tokens_per_second)
         m.trainer_step.labels(rank=label).set(step)
-        if step_seconds is not None:
-            m.trainer_step_seconds.labels(rank=label).set(step_seconds)
+        for gauge, value in (
+            (m.trainer_loss, loss),
+            (m.trainer_outliers, ratio_outlier_share),
+            (m.trainer_tps, tokens_per_second),
+            (m.trainer_step_seconds, step_seconds),
+        ):
+            if value is not None and math.isfinite(value):
+                gauge.labels(rank=label).set(value)
 
     # ---------------------------------------------------------------- output
     def set_refresh(self, refresh: Callable[[], None] | None) -> None:

@@ -3,11 +3,17 @@
     rlfeed serve                                  # defaults, embedded local Ray, port 50051
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
+    rlfeed serve --metrics-port 9400              # Prometheus /metrics on 127.0.0.1:9400
 
 Prints the resolved configuration (TOML) and then one line `rlfeed serve: listening on
-HOST:PORT` (with --port 0 the port picked). SIGTERM or Ctrl-C stops it within seconds:
-health goes NOT_SERVING, in-flight calls get a short grace period, the scheduler actor is
-killed and an embedded Ray is shut down. A bad config exits 2 with the key and section.
+HOST:PORT` (with --port 0 the port picked). With a metrics port (`--metrics-port`, else
+`[server] metrics_port`; 0, the default, means none) it also serves Prometheus metrics,
+the newest step's layout picture and a health check on `[server] metrics_host` (127.0.0.1
+unless configured, whatever `host` gRPC binds) and prints `rlfeed serve: metrics on
+http://HOST:PORT/metrics`. SIGTERM or Ctrl-C stops it within seconds: the metrics endpoint
+closes, health goes NOT_SERVING, in-flight calls get a short grace period, the scheduler
+actor is killed and an embedded Ray is shut down. A bad config exits 2 with the key and
+section; a port in use exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config (default: built-ins)")
     parser.add_argument("--host", help="interface to bind (overrides [server] host)")
     parser.add_argument("--port", type=int, help="gRPC port, 0 = any free port ([server] port)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="Prometheus /metrics port on [server] metrics_host; 0 = none "
+        "(overrides [server] metrics_port, default 0)",
+    )
     parser.add_argument(
         "--ray-address",
         metavar="ADDR",
@@ -53,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         server_overrides = {
             key: value
-            for key, value in (("host", args.host), ("port", args.port))
+            for key, value in (
+                ("host", args.host),
+                ("port", args.port),
+                ("metrics_port", args.metrics_port),
+            )
             if value is not None
         }
         config = with_overrides(config, server=server_overrides)
@@ -62,21 +79,39 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(dump_config(config, args.print_config), flush=True)
 
+    from rlfeed.service.metrics_events import SidecarExporter
     from rlfeed.service.server import start_server
 
+    exporter = SidecarExporter(config) if config.server.metrics_port else None
     try:
-        sidecar = start_server(config, ray_address=args.ray_address)
+        sidecar = start_server(
+            config,
+            ray_address=args.ray_address,
+            events=exporter.events if exporter is not None else None,
+        )
     except RuntimeError as exc:
         print(f"rlfeed serve: {exc}", file=sys.stderr)
         return 1
     try:
         _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
+        if exporter is not None:
+            try:
+                exporter.start(sidecar.actor)
+            except OSError as exc:
+                where = f"{config.server.metrics_host}:{config.server.metrics_port}"
+                print(f"rlfeed serve: cannot serve metrics on {where}: {exc}", file=sys.stderr)
+                return 1
+            print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
         print(f"rlfeed serve: listening on {sidecar.address} ({where})", flush=True)
         while not stop.wait(0.5):
             pass
         print("rlfeed serve: stopping", flush=True)
     finally:
-        sidecar.stop(grace=2.0)
+        try:
+            if exporter is not None:
+                exporter.stop()
+        finally:
+            sidecar.stop(grace=2.0)
     print("rlfeed serve: stopped", flush=True)
     return 0
