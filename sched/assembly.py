@@ -14,9 +14,9 @@ from typing import Literal
 
 import numpy as np
 from rlfeed.sched.advantages import AdvantageMode, group_advantages, zero_advantage_groups
-from rlfeed.sched.balance import balance_ranks
-from rlfeed.sched.budgets import CostModel, microbatch_positions, token_budget_microbatches
+from rlfeed.sched.budgets import CostModel, microbatch_positions
 from rlfeed.sched.layout import next_token_targets, row_layout
+from rlfeed.sched.planning import plan_microbatches
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -128,23 +128,14 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
     kept = np.flatnonzero(keep)
     advantages = np.where(keep, advantages, np.float32(0.0)).astype(np.float32)
 
-    # Spreading packed sequences over a multiple of world_size microbatches keeps every rank
-    # equally loaded (splitting a few full bins afterwards leaves ~8% imbalance at 8 ranks).
-    spread_to = config.world_size if config.cost_model == "packed" else 1
-    local_microbatches = token_budget_microbatches(
+    assignment = plan_microbatches(
         lengths[kept],
         config.token_budget,
+        config.world_size,
         cost=config.cost_model,
         method=config.packing_method,
-        multiple_of=spread_to,
-    )
-    assignment = balance_ranks(
-        lengths[kept],
-        local_microbatches,
-        config.world_size,
         attention_weight=config.attention_weight,
-        cost=config.cost_model,
-    )
+    ).assignment
     # Microbatches index into the kept subset; re-express them over the input rollouts.
     microbatches = [kept[m] for m in assignment.microbatches]
     positions = microbatch_positions(lengths[kept], assignment.microbatches, config.cost_model)

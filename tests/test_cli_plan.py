@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from rlfeed.sched.assembly import StepConfig, StepRollouts, assemble_step
 from rlfeed.sched.balance import balance_ranks
 from rlfeed.sched.budgets import microbatch_positions, token_budget_microbatches
 from rlfeed.service.cli import main
@@ -72,7 +73,9 @@ def test_json_plan_is_the_library_plan(capsys, lengths_file, cost, world_size):
     )
     assert code == 0, err
     plan = json.loads(out)
-    microbatches = token_budget_microbatches(LENGTHS, 5000, cost=cost)
+    # Packed plans spread sequences over a multiple of the world size, as step assembly does.
+    spread_to = int(world_size) if cost == "packed" else 1
+    microbatches = token_budget_microbatches(LENGTHS, 5000, cost=cost, multiple_of=spread_to)
     expected = balance_ranks(
         LENGTHS, microbatches, int(world_size), attention_weight=0.001, cost=cost
     )
@@ -86,10 +89,10 @@ def test_json_plan_is_the_library_plan(capsys, lengths_file, cost, world_size):
     assert plan["lower_bound"] == math.ceil(sum(LENGTHS) / 5000)
     assert plan["padding_share"] == pytest.approx(1 - sum(LENGTHS) / int(positions.sum()))
     assert plan["fill"] == pytest.approx(sum(LENGTHS) / (len(expected.microbatches) * 5000))
-    assert plan["plan_seconds"] >= 0
+    assert isinstance(plan["plan_seconds"], float)
 
 
-def test_spread_plan_is_the_library_plan_with_multiple_of(capsys, lengths_file):
+def test_no_spread_plan_keeps_the_plain_budget_bins(capsys, lengths_file):
     code, out, err = run_plan(
         capsys,
         "--lengths",
@@ -98,16 +101,37 @@ def test_spread_plan_is_the_library_plan_with_multiple_of(capsys, lengths_file):
         "8000",
         "--world-size",
         "4",
-        "--spread",
+        "--no-spread",
         "--json",
     )
     assert code == 0, err
     plan = json.loads(out)
-    microbatches = token_budget_microbatches(LENGTHS, 8000, multiple_of=4)
+    microbatches = token_budget_microbatches(LENGTHS, 8000)
     expected = balance_ranks(LENGTHS, microbatches, 4)
-    assert plan["spread"] is True
+    assert plan["spread"] is False
     assert plan["microbatches"] == [m.tolist() for m in expected.microbatches]
     assert plan["ranks"] == expected.ranks
+
+
+def test_plan_is_what_step_assembly_serves(capsys, lengths_file):
+    code, out, err = run_plan(
+        capsys, "--lengths", str(lengths_file), "--budget", "8000", "--world-size", "4", "--json"
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    n = len(LENGTHS)
+    step = assemble_step(
+        StepRollouts(
+            lengths=np.asarray(LENGTHS),
+            policy_tokens=np.ones(n, dtype=np.int64),
+            rewards=np.arange(n, dtype=np.float64),  # no zero-advantage group: all kept
+            group_ids=np.zeros(n, dtype=np.int64),
+        ),
+        StepConfig(token_budget=8000, world_size=4),
+    )
+    assert plan["microbatches"] == [m.tolist() for m in step.microbatches]
+    assert plan["ranks"] == step.ranks
+    assert plan["rank_imbalance"] == pytest.approx(step.rank_imbalance)
 
 
 def test_stdin_blank_lines_and_comments_are_ignored(capsys, monkeypatch):

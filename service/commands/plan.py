@@ -5,11 +5,12 @@
     rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
 
 FILE holds one length (in tokens) per line; blank lines and `#` comments are ignored, and a
-bad line is reported with its line number. The plan is what a step's assembly does
-(`rlfeed.sched.budgets.token_budget_microbatches`, then `rlfeed.sched.balance.balance_ranks`):
+bad line is reported with its line number. The plan is exactly what a step's assembly does
+(`rlfeed.sched.planning.plan_microbatches`):
 microbatches of at most --budget computed positions (default 131,072), then dealt out to
---world-size ranks (default 1), the same number to each; --spread first tries to spread
-packed sequences evenly over a multiple of K microbatches. --json prints one JSON object:
+--world-size ranks (default 1), the same number to each; for the packed cost model the
+sequences are first spread evenly over a multiple of K microbatches (--no-spread: keep the
+plain FFD bins and split some of them instead). --json prints one JSON object:
 `microbatches` (0-based sequence indices), `ranks` (microbatch indices per rank, in slot
 order), `num_microbatches` (after balancing, including splits and empty no-op microbatches),
 `num_budget_microbatches` (before balancing), `lower_bound` (ceil(tokens / budget)),
@@ -99,9 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spread",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="packed: spread sequences evenly over a multiple of K microbatches (LPT) "
-        "instead of splitting full ones; better rank balance when it fits the budget",
+        "instead of splitting full ones (default: on for --cost packed, as the service does)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
@@ -149,30 +151,25 @@ def _read(args: argparse.Namespace) -> tuple[str, str]:
 def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
     """The JSON-ready plan of `lengths` under the flags in `args`."""
     import numpy as np
-    from rlfeed.sched.balance import balance_ranks
     from rlfeed.sched.budgets import (
         microbatch_lower_bound,
         microbatch_positions,
         microbatch_tokens,
-        token_budget_microbatches,
     )
+    from rlfeed.sched.planning import plan_microbatches
 
     sizes = np.asarray(lengths, dtype=np.int64)
     started = time.perf_counter()
-    budget_microbatches = token_budget_microbatches(
+    planned = plan_microbatches(
         sizes,
         args.budget,
+        args.world_size,
         cost=args.cost,
         method=args.method,
-        multiple_of=args.world_size if args.spread else 1,
-    )
-    assignment = balance_ranks(
-        sizes,
-        budget_microbatches,
-        args.world_size,
         attention_weight=args.attention_weight,
-        cost=args.cost,
+        spread=args.spread,
     )
+    assignment = planned.assignment
     plan_seconds = time.perf_counter() - started
     microbatches = assignment.microbatches
     tokens = microbatch_tokens(sizes, microbatches)
@@ -187,9 +184,9 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         "method": args.method,
         "world_size": args.world_size,
         "attention_weight": args.attention_weight,
-        "spread": args.spread,
+        "spread": planned.spread,
         "num_microbatches": len(microbatches),
-        "num_budget_microbatches": len(budget_microbatches),
+        "num_budget_microbatches": planned.num_budget_microbatches,
         "num_empty_microbatches": int(sum(m.size == 0 for m in microbatches)),
         "num_slots": assignment.num_slots,
         "lower_bound": microbatch_lower_bound(sizes, args.budget),
