@@ -6,6 +6,9 @@
   real gRPC sidecar (`start_server`) on a free loopback port with those config sections
   overridden (each with its own scheduler actor); every sidecar it started is stopped when
   the test ends. Returns the `SidecarServer` (`.address`, `.config`, `.stop()`).
+  `make_sidecar(events=factory, ...)` hands `start_server` the hooks `factory(config)`
+  returns for the resolved config (e.g. `MetricsEvents`); reach them as
+  `sidecar.servicer.events`.
 """
 
 from __future__ import annotations
@@ -38,14 +41,15 @@ def make_sidecar(ray_local):
 
     started = []
 
-    def make(**sections):
+    def make(*, events=None, **sections):
         sections = {name: dict(values) for name, values in sections.items()}
         sections.setdefault("server", {}).setdefault("port", 0)
         sections["server"].setdefault("host", "127.0.0.1")
         sections.setdefault("ray", {}).setdefault(
             "actor_name", f"rlfeed-scheduler-test-{next(_sidecar_numbers)}"
         )
-        sidecar = start_server(with_overrides(SidecarConfig(), **sections))
+        config = with_overrides(SidecarConfig(), **sections)
+        sidecar = start_server(config, events=events(config) if events is not None else None)
         started.append(sidecar)
         return sidecar
 
