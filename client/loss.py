@@ -59,10 +59,12 @@ def rank_norm_const(
     """Per-rank `norm_const` for `mode="constant"` given the step's global token count N.
 
     grad_reduction: "mean" for DDP/FSDP's averaging all-reduce (returns N / world_size),
-    "sum" for a summing reduction (returns N).
+    "sum" for a summing reduction (returns N). A step with no policy token (N = 0) selects
+    no token, so its loss is exactly 0 whatever the divisor: it is normalized by 1.
     """
-    if not policy_token_count > 0:
-        raise ValueError(f"policy_token_count must be > 0, got {policy_token_count}")
+    if not policy_token_count >= 0:
+        raise ValueError(f"policy_token_count must be >= 0, got {policy_token_count}")
+    policy_token_count = max(float(policy_token_count), 1.0)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if grad_reduction == "mean":

@@ -41,10 +41,26 @@ class StepConfig:
     """Leave groups whose rewards are all equal out of the step (they carry no gradient)."""
 
     def __post_init__(self) -> None:
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("token_budget", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"StepConfig.{name} must be an integer >= 1, got {value!r}")
+        choices = {
+            "cost_model": ("packed", "padded"),
+            "packing_method": ("ffd", "bfd"),
+            "advantage_mode": ("mean", "mean_std", "constant"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"StepConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        if not self.attention_weight >= 0:
+            raise ValueError(
+                f"StepConfig.attention_weight must be >= 0, got {self.attention_weight}"
+            )
+        if not self.advantage_scale > 0:
+            raise ValueError(f"StepConfig.advantage_scale must be > 0, got {self.advantage_scale}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +70,8 @@ class StepRollouts:
     lengths: np.ndarray
     """int64 [n] tokens per rollout."""
     policy_tokens: np.ndarray
-    """int64 [n] action-mask (policy) tokens per rollout."""
+    """int64 [n] action-mask (policy) tokens per rollout; a rollout's first token is never one
+    (nothing predicts it), so this is also the count of its served loss-mask entries."""
     rewards: np.ndarray
     """float64 [n]."""
     group_ids: np.ndarray
@@ -225,6 +242,14 @@ def materialize_microbatch(
     advantages: float32 [n_rollouts] per rollout (indexed by `rollout_index`).
     """
     rollout_index = np.asarray(rollout_index, dtype=np.int64)
+    # Served loss masks drop each rollout's first token; a policy token there would make the
+    # step's global count N disagree with what the trainer sums.
+    first_is_policy = columns.action_mask[columns.offsets[rollout_index]] > 0
+    if np.any(first_is_policy):
+        bad = int(rollout_index[np.argmax(first_is_policy)])
+        raise ValueError(
+            f"rollout {bad}: action_mask[0] is 1, but nothing predicts a rollout's first token"
+        )
     positions = gather_token_ranges(np.asarray(columns.offsets, dtype=np.int64), rollout_index)
     lengths = columns.lengths[rollout_index]
     layout = row_layout(lengths)

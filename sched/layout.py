@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
+from rlfeed.sched.packing import as_lengths
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def cu_seqlens_from_lengths(lengths: ArrayLike) -> np.ndarray:
 
 def row_layout(lengths: ArrayLike, row_length: int | None = None) -> RowLayout:
     """Layout of sequences of `lengths` placed back to back, padded to `row_length`."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = as_lengths(lengths)
     cu = cu_seqlens_from_lengths(lengths)
     total = int(cu[-1])
     row_length = total if row_length is None else int(row_length)

@@ -149,3 +149,30 @@ def test_every_policy_token_is_served_exactly_once(groups, group_size, world_siz
 def test_config_rejects_a_non_positive_budget():
     with pytest.raises(ValueError, match="token_budget"):
         StepConfig(token_budget=0)
+
+
+def test_a_policy_token_in_first_position_is_refused_naming_the_rollout():
+    columns = TokenColumns(
+        offsets=np.array([0, 3, 6]),
+        token_ids=np.arange(6, dtype=np.int32),
+        action_mask=np.array([0, 1, 1, 1, 1, 0], dtype=np.uint8),
+        sampler_logprobs=np.zeros(6, dtype=np.float32),
+    )
+    with pytest.raises(ValueError, match="rollout 1: action_mask"):
+        materialize_microbatch(columns, np.array([0, 1]), np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cost_model", "pad"),
+        ("packing_method", "xfd"),
+        ("attention_weight", -1.0),
+        ("advantage_scale", 0.0),
+        ("token_budget", 1.5),
+        ("world_size", 0),
+    ],
+)
+def test_step_config_names_the_invalid_field(field, value):
+    with pytest.raises(ValueError, match=f"StepConfig.{field}"):
+        StepConfig(**{field: value})

@@ -134,3 +134,10 @@ def test_empty_row_is_all_padding():
 def test_cu_seqlens_refuses_rows_beyond_int32():
     with pytest.raises(ValueError, match="does not fit int32"):
         cu_seqlens_from_lengths([2**31 - 1, 1])
+
+
+def test_row_layout_rejects_empty_and_negative_lengths_naming_the_sequence():
+    with pytest.raises(ValueError, match="sequence 0 has length 0"):
+        row_layout([0, 3], 5)
+    with pytest.raises(ValueError, match="sequence 1 has length -1"):
+        row_layout([3, -1], 5)

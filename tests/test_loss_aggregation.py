@@ -128,7 +128,16 @@ def test_rank_norm_const_accounts_for_the_mean_all_reduce():
     assert rank_norm_const(1000, 4) == 250.0
     assert rank_norm_const(1000, 4, grad_reduction="sum") == 1000.0
     with pytest.raises(ValueError, match="policy_token_count"):
-        rank_norm_const(0, 2)
+        rank_norm_const(-1, 2)
+
+
+def test_a_step_without_policy_tokens_trains_with_zero_loss_instead_of_failing():
+    norm = rank_norm_const(0, 2)
+    per_token = torch.randn(6, requires_grad=True)
+    loss = aggregate_loss(per_token, torch.zeros(6), "constant", norm_const=norm)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(per_token.grad) == 0
 
 
 # ---------------------------------------------------------------------------------------
