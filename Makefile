@@ -38,8 +38,11 @@ lint: setup
 test: setup system-deps lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# Benchmarks are scripts that print their figures (and assert their hard targets);
+# each file's docstring says what it measures and how long it takes.
 bench: setup
-	$(BIN)/python -m pytest -q tests/bench -s -m "slow or not slow"
+	@set -e; for script in tests/bench/bench_*.py; do \
+	  echo "== $$script"; $(BIN)/python $$script; done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -39,6 +39,7 @@ from rlfeed.sched.budgets import (
     token_budget_microbatches,
 )
 from rlfeed.sched.packing import naive_first_fit_decreasing, sorted_by_length
+from rlfeed.sched.planning import SPREAD_MAX_SEQUENCES, plan_microbatches
 
 MEDIAN = 8192
 SIGMA = 0.85
@@ -140,12 +141,15 @@ def median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
 
 
 def plan(lengths: np.ndarray) -> None:
-    microbatches = token_budget_microbatches(lengths, BUDGET, cost="packed")
-    balance_ranks(lengths, microbatches, WORLD_SIZE)
+    """Exactly what `rlfeed plan` and step assembly run (spreading included where it applies)."""
+    plan_microbatches(lengths, BUDGET, WORLD_SIZE, cost="packed")
 
 
 def time_planning(sizes: list[int]) -> None:
-    print(f"\nplanning = packed budget {BUDGET:,} (FFD) + balancing over {WORLD_SIZE} ranks")
+    print(
+        f"\nplanning = plan_microbatches: packed budget {BUDGET:,} (FFD; spread up to "
+        f"{SPREAD_MAX_SEQUENCES:,} sequences) + balancing over {WORLD_SIZE} ranks"
+    )
     print(f"{'sequences':>10} {'packing s':>10} {'planning s':>11} {'target s':>9} {'ratio':>6}")
     for n in sizes:
         lengths, _ = long_tailed_workload(n, seed=n)
