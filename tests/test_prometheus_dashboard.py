@@ -1,16 +1,18 @@
-"""Every PromQL expression of the Grafana dashboard returns data from a real Prometheus.
+"""Every PromQL expression of the Grafana dashboard returns data from a real Prometheus
+scraping a live sidecar.
 
 The integration test starts a real Prometheus server (Debian package `prometheus`) on a free
-loopback port with a temporary config (1 s scrape interval) and storage, lets it scrape a
-live metrics endpoint while a sidecar scheduler runs a short demo workload, then evaluates
-every expression found in `deploy/grafana/dashboards/rlfeed.json` through `/api/v1/query`:
-each must return at least one sample with a finite value. Without the binary the test is
-skipped, or fails when the environment variable CI is set. Prometheus is always torn down.
-
-The workload is the service's own `Scheduler` (ingest with the service's codec and
-validation, step assembly, materialized responses, status) driven by the demo's synthetic
-fleet, feeding `RlfeedMetrics` through the calls the gRPC servicer makes (see the wiring in
-`rlfeed.service.metrics`' docstring).
+loopback port with a temporary config (1 s scrape interval) and storage, and `rlfeed demo
+--steps 3 --metrics-port P` as a user runs it: an embedded sidecar (Ray actor, gRPC), the
+synthetic fleet and two trainer processes, the sidecar exporting its metrics on P. Prometheus
+scrapes it while the demo trains; the moment every step was assembled and served, every
+expression found in `deploy/grafana/dashboards/rlfeed.json` is evaluated at that moment
+through `/api/v1/query`: each must return at least one sample with a finite value. The test
+also fetches `/layout.png` from the live endpoint, checks the pass-rate panel holds the
+curriculum's real estimates, and checks the demo's printed summary against the metrics
+where they overlap (steps, rollouts, tokens, padding shares, GPU-hours, rollouts saved).
+Without the binary the test is skipped, or fails when the environment variable CI is set.
+Prometheus and the demo are always torn down.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
-import threading
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -32,20 +35,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from rlfeed.service.codec import decode_rollout_batch, encode_rollout_batch
-from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
-from rlfeed.service.demo_fleet import FleetConfig, SyntheticTasks
-from rlfeed.service.metrics import MetricsConfig, RlfeedMetrics, reject_reason
-from rlfeed.service.metrics_http import MetricsServer
-from rlfeed.service.scheduler import BatchMeta, Scheduler
-from rlfeed.service.validation import validate_rollout_batch
+from rlfeed.service.demo_fleet import FleetConfig
+from rlfeed.service.metrics import PASS_RATE_BUCKETS, RlfeedMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/dashboards/rlfeed.json"
 PROVISIONING = ROOT / "deploy/grafana/provisioning"
-# What Grafana's built-in interval variables become in the test's instant queries.
-GRAFANA_VARIABLES = {"$__rate_interval": "15s", "$__interval": "1s", "$__range": "1m"}
-SCRAPED_SECONDS = 15  # scrapes to wait for before querying (1 s interval)
+# What Grafana's built-in interval variables become in the test's instant queries: the
+# rate interval Grafana picks for the shipped 5 s scrape interval (4 x 5 s).
+GRAFANA_VARIABLES = {"$__rate_interval": "20s", "$__interval": "1s", "$__range": "1m"}
+# Three steps: the fleet submits the last step's groups only after the trainers report the
+# first, so ingest, serving and trainer reports are all inside the last rate interval.
+DEMO_STEPS = 3
 
 
 def dashboard_panels(dashboard: dict) -> list[dict]:
@@ -204,137 +205,128 @@ def running_prometheus(tmp_path: Path, target: str):
         log.close()
 
 
-def query(prometheus: str, expr: str) -> list[dict]:
-    answer = http_json(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+def query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
+    """Instant query, evaluated now or at unix time `at`."""
+    params = {"query": expr} | ({} if at is None else {"time": repr(at)})
+    answer = http_json(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode(params))
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
 
 
-def drive_demo_workload(metrics: RlfeedMetrics, config: SidecarConfig, stop: threading.Event):
-    """The sidecar's scheduler under the demo fleet, with the servicer's metrics calls."""
-    scheduler = Scheduler(config)
-    rollouts = config.rollouts
-    fleet = SyntheticTasks(
-        FleetConfig(
-            num_tasks=80,
-            group_size=rollouts.group_size,
-            max_tokens=config.batching.token_budget,
-            vocab_size=rollouts.vocab_size,
-        )
+@contextlib.contextmanager
+def running_demo(tmp_path: Path, metrics_port: int, steps: int):
+    """`rlfeed demo --steps N --metrics-port P` as a user runs it; yields the Popen (its
+    output goes to tmp_path/demo.log). Interrupted like Ctrl-C if still running at the end,
+    so it stops its trainers and sidecar itself."""
+    log = (tmp_path / "demo.log").open("w")
+    command = [sys.executable, "-m", "rlfeed.service.cli", "demo", "--steps", str(steps)]
+    process = subprocess.Popen(
+        [*command, "--metrics-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT
     )
-    scheduler.register_tasks(fleet.task_ids)
-    rng = np.random.default_rng(0)
-    batch = 0
-    while not stop.is_set():
-        n = rollouts.prompts_per_step
-        sample = scheduler.sample_tasks(n)
-        metrics.on_task_sample(
-            requested=n,
-            returned=len(sample.task_ids),
-            revisits=sum(sample.revisit),
-            group_size=rollouts.group_size,
-        )
-        fields: dict[str, list] = {k: [] for k in ("rollout_ids", "task_ids", "group_ids")}
-        episodes = []
-        for task_id in sample.task_ids:
-            for k, episode in enumerate(fleet.roll_group(task_id, rng)):
-                fields["rollout_ids"].append(f"b{batch}-{task_id}-{k}")
-                fields["task_ids"].append(task_id)
-                fields["group_ids"].append(f"b{batch}-{task_id}")
-                episodes.append(episode)
-        payload = encode_rollout_batch(
-            **fields,
-            policy_versions=[batch // 4] * len(episodes),
-            rewards=[e.reward for e in episodes],
-            token_ids=[e.token_ids for e in episodes],
-            action_mask=[e.action_mask for e in episodes],
-            sampler_logprobs=[np.where(e.action_mask > 0, -0.7, 0.0) for e in episodes],
-        )
-        if batch % 5 == 4:  # a producer bug now and then: rejected, nothing else disturbed
-            payload = payload[: len(payload) // 2]
-        batch += 1
-        started = time.time()
-        try:
-            arrays = decode_rollout_batch(payload)
-            validate_rollout_batch(
-                arrays,
-                token_budget=config.batching.token_budget,
-                vocab_size=rollouts.vocab_size,
-                is_known_task=scheduler.is_known_task,
-            )
-            result = scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
-        except ValueError as exc:
-            scheduler.record_rejection()
-            metrics.on_reject(reject_reason(exc), rollouts=len(episodes))
-            continue
-        metrics.on_ingest(
-            accepted=result.accepted,
-            accepted_tokens=int(arrays.lengths.sum()),
-            duplicate=result.duplicate,
-            stale=result.stale,
-            ack_seconds=time.time() - started,
-            buffered_rollouts=result.buffered_rollouts,
-            newest_policy_version=result.newest_policy_version,
-        )
-        ready = time.time()
-        for step in scheduler.assemble_ready_steps():
-            metrics.on_step(scheduler.step_records[-1], ready_time=ready)
-            for rank in range(config.batching.world_size):
-                response = scheduler.fetch_batch(step, rank).payload
-                metrics.on_served(step, rank, response=response)
-                metrics.on_trainer_report(
-                    step=step,
-                    rank=rank,
-                    loss=float(1.0 / (1 + step)),
-                    ratio_outlier_share=0.0,
-                    tokens_per_second=float(rng.uniform(4000, 6000)),
-                    step_seconds=0.2,
-                )
-        metrics.on_status(scheduler.status())
-        stop.wait(0.05)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        log.close()
 
 
-def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
+def demo_summary(output: str) -> dict[str, str]:
+    block = output.split("\nsummary\n", 1)[1]
+    return dict(
+        re.match(r"\s+(\S.*?)\s{2,}(\S.*)", line).groups() for line in block.splitlines() if line
+    )
+
+
+def number(text: str) -> float:
+    """The first number of a summary value ("54,707 (32,158 policy tokens)" -> 54707)."""
+    return float(re.match(r"[-+]?[\d,.]+", text).group().replace(",", ""))
+
+
+def scalar(prometheus: str, expr: str, at: float) -> float:
+    (sample,) = query(prometheus, expr, at)
+    return float(sample["value"][1])
+
+
+def test_every_dashboard_query_returns_data_from_prometheus_scraping_a_live_demo(tmp_path):
     prometheus_binary()
-    config = SidecarConfig(
-        batching=BatchingConfig(token_budget=2048, world_size=2),
-        rollouts=RolloutsConfig(prompts_per_step=4, group_size=8, vocab_size=512),
-    )
-    metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    metrics_port = free_port()
+    target = f"127.0.0.1:{metrics_port}"
+    layout = tmp_path / "layout.png"
+    with (
+        running_prometheus(tmp_path, target) as prometheus,
+        running_demo(tmp_path, metrics_port, DEMO_STEPS) as demo,
+    ):
+        # While the demo runs: the layout picture once a step exists, then the moment every
+        # step was assembled and served, at which the dashboard is evaluated.
+        deadline = time.monotonic() + 150
+        while True:
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the demo never served its steps"
+            progress = {
+                name: query(prometheus, f"rlfeed_{name}_total")
+                for name in ("steps_assembled", "steps_served")
+            }
+            counts = {k: float(v[0]["value"][1]) if v else 0.0 for k, v in progress.items()}
+            if counts["steps_assembled"] >= 1 and not layout.exists():
+                url = f"http://{target}/layout.png"
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    assert response.status == 200
+                    layout.write_bytes(response.read())
+            if min(counts.values()) >= DEMO_STEPS:
+                at = float(progress["steps_served"][0]["value"][0])
+                break
+            time.sleep(0.5)
+        assert demo.wait(timeout=60) == 0, (tmp_path / "demo.log").read_text()[-3000:]
 
-    def workload():
-        try:
-            drive_demo_workload(metrics, config, stop)
-        except BaseException as exc:
-            errors.append(exc)
+        failures = []
+        for title, expr in dashboard_queries(load_dashboard()):
+            values = [float(s["value"][1]) for s in query(prometheus, expr, at)]
+            if not any(math.isfinite(v) for v in values):
+                failures.append(f"{title!r}: {expr} -> {values or 'no data'}")
+        assert not failures, "panels without data:\n" + "\n".join(failures)
 
-    driver = threading.Thread(target=workload, name="demo-workload", daemon=True)
-    with MetricsServer(metrics) as server:
-        driver.start()
-        try:
-            with running_prometheus(tmp_path, f"127.0.0.1:{server.port}") as prometheus:
-                deadline = time.monotonic() + 45
-                while True:
-                    scraped = query(prometheus, "count_over_time(rlfeed_step[1m])")
-                    if scraped and float(scraped[0]["value"][1]) >= SCRAPED_SECONDS:
-                        break
-                    assert time.monotonic() < deadline, f"too few scrapes: {scraped}"
-                    assert not errors, errors
-                    time.sleep(1)
-                failures = []
-                for title, expr in dashboard_queries(load_dashboard()):
-                    samples = query(prometheus, expr)
-                    values = [float(s["value"][1]) for s in samples]
-                    if not any(math.isfinite(v) for v in values):
-                        failures.append(f"{title!r}: {expr} -> {values or 'no data'}")
-                assert not failures, "panels without data:\n" + "\n".join(failures)
-            status, png = 0, b""
-            with urllib.request.urlopen(f"{server.url}/layout.png", timeout=30) as response:
-                status, png = response.status, response.read()
-            assert status == 200 and png.startswith(b"\x89PNG")  # the layout panel's image
-        finally:
-            stop.set()
-            driver.join(timeout=10)
-    assert not errors, errors
+        # The pass-rate panel shows the curriculum's real estimates: every task, spread out.
+        buckets = {
+            s["metric"]["le"]: float(s["value"][1])
+            for s in query(prometheus, "sum by (le) (rlfeed_curriculum_pass_rate_bucket)", at)
+        }
+        assert buckets["+Inf"] == FleetConfig().num_tasks
+        counts = np.diff([0.0] + [buckets[repr(b)] for b in PASS_RATE_BUCKETS])
+        assert (counts > 0).sum() >= 3, buckets  # not one spike at the initial estimate
+
+        # The demo's summary and the metrics count the same steps the same way.
+        summary = demo_summary((tmp_path / "demo.log").read_text())
+        assert number(summary["steps"]) == scalar(prometheus, "rlfeed_steps_assembled_total", at)
+        assert number(summary["rollouts trained"]) == scalar(
+            prometheus, "rlfeed_rollouts_trained_total", at
+        )
+        assert number(summary["tokens"]) == scalar(prometheus, "rlfeed_real_tokens_total", at)
+        policy_tokens = number(summary["tokens"].split("(", 1)[1])
+        assert policy_tokens == scalar(prometheus, "rlfeed_policy_tokens_total", at)
+        packed_share, padded_share = (
+            float(share) / 100 for share in re.findall(r"([\d.]+)%", summary["padding share"])
+        )
+        for share, expr in (
+            (packed_share, "1 - rlfeed_real_tokens_total / rlfeed_computed_positions_total"),
+            (
+                padded_share,
+                "1 - rlfeed_real_tokens_total / rlfeed_padded_alternative_positions_total",
+            ),
+        ):
+            assert share == pytest.approx(scalar(prometheus, expr, at), abs=0.0006), expr
+        gpu_hours = scalar(
+            prometheus,
+            "sum(rlfeed_predicted_gpu_seconds_total) / 3600 / sum(rlfeed_steps_assembled_total)",
+            at,
+        )
+        assert number(summary["predicted GPU-hours per step"]) == pytest.approx(gpu_hours, rel=1e-3)
+        assert number(summary["rollouts saved by the filter"]) == scalar(
+            prometheus, "rlfeed_curriculum_rollouts_saved", at
+        )
+    assert layout.read_bytes().startswith(b"\x89PNG") and layout.stat().st_size > 10_000
