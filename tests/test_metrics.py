@@ -32,7 +32,7 @@ from rlfeed.service.metrics import (
 from rlfeed.service.metrics_http import MetricsServer
 from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler, StepRecord
 from rlfeed.service.testing import synthetic_groups
-from rlfeed.service.validation import validate_rollout_batch
+from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
 
 def make_step(rng: np.random.Generator, groups: int, group_size: int, max_len: int = 400):
@@ -455,6 +455,7 @@ def _set(name, row, value):
         ("group_overflow", _set("task_ids", 1, "known")),
         ("malformed", _set("rollout_ids", 2, "")),
         ("bad_action_mask", lambda rollouts: rollouts.action_mask[5].__setitem__(0, 1)),
+        ("bad_policy_version", _set("policy_versions", 6, -1)),
     ],
 )
 def test_reject_reason_names_what_the_sidecars_own_checks_found(expected, mutate):
@@ -464,7 +465,11 @@ def test_reject_reason_names_what_the_sidecars_own_checks_found(expected, mutate
     rollouts = synthetic_groups(
         num_groups=2, group_size=4, rng=np.random.default_rng(0), max_length=64
     )
-    assert reject_reason(rejected(config, rollouts, mutate)) == expected
+    error = rejected(config, rollouts, mutate)
+    assert error.reason == expected  # named where the check failed
+    assert reject_reason(error) == expected
+    # The actor answers with the message only; the front-end's rebuilt error agrees.
+    assert reject_reason(InvalidBatchError(str(error))) == expected
 
 
 def test_reject_reason_of_undecodable_bytes_and_a_full_buffer():
