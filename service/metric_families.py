@@ -146,7 +146,9 @@ class MetricFamilies:
             "rlfeed_step_rank_imbalance", "Max rank cost / mean rank cost - 1 (0 = balanced)."
         )
         self.step_lockstep = gauge(
-            "rlfeed_step_lockstep_efficiency_ratio", "Mean rank cost / max rank cost."
+            "rlfeed_step_lockstep_efficiency_ratio",
+            "Share of rank-time spent working: total cost / (ranks x sum of each lockstep "
+            "slot's costliest microbatch).",
         )
         self.step_token_budget = gauge("rlfeed_step_token_budget", "Token budget per microbatch.")
         self.steps_assembled = counter("rlfeed_steps_assembled", "Steps assembled.")
@@ -275,7 +277,7 @@ class MetricFamilies:
             (self.step_microbatches, f.microbatches),
             (self.step_microbatches_per_rank, f.microbatches_per_rank),
             (self.step_largest, f.largest_microbatch_positions),
-            (self.step_imbalance, f.rank_imbalance),
+            (self.step_imbalance, f.rank_imbalance_excess),
             (self.step_lockstep, f.lockstep_efficiency),
             (self.step_token_budget, f.token_budget),
             (self.step_avoided_gpu_seconds, price.padding_avoided_gpu_seconds),

@@ -52,8 +52,9 @@ class StepFigures:
     computed_positions: int  # positions the ranks compute
     padded_positions: int  # positions of the padded alternative (count x longest)
     largest_microbatch_positions: int
-    rank_imbalance: float  # max rank cost / mean rank cost - 1
-    lockstep_efficiency: float  # mean rank cost / max rank cost
+    rank_imbalance: float  # max rank cost / mean rank cost (1.0 = balanced), as recorded
+    # total cost / (world_size x sum over lockstep slots of the slot's costliest microbatch)
+    lockstep_efficiency: float
     microbatches_per_rank: int
     world_size: int
     token_budget: int
@@ -77,6 +78,11 @@ class StepFigures:
     @property
     def padded_alternative_padding_ratio(self) -> float:
         return share(self.padded_positions - self.real_tokens, self.padded_positions)
+
+    @property
+    def rank_imbalance_excess(self) -> float:
+        """max rank cost / mean rank cost - 1: 0 when balanced (the exported figure)."""
+        return self.rank_imbalance - 1.0
 
     @property
     def fill_ratio(self) -> float:

@@ -89,7 +89,7 @@ def step_record(**fields) -> StepRecord:
         step=0, num_rollouts=8, num_groups=2, zero_advantage_groups=1,
         zero_advantage_groups_dropped=0, policy_token_count=100, real_tokens=400,
         computed_positions=400, padded_positions=640, largest_microbatch_positions=300,
-        rank_imbalance=0.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
+        rank_imbalance=1.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
         policy_version=0, min_policy_version=0, response_bytes=0,
     )  # fmt: skip
     return StepRecord(**{**values, **fields})

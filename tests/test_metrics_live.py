@@ -127,11 +127,13 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
     """The step's figures, counted one served sequence at a time."""
     row_of = submitted.row_of()
     lengths, microbatch_tokens, policy_tokens, rewards_of_group = [], [], 0, {}
-    for response in responses:
-        for message in response.microbatches:
+    slot_tokens = np.zeros((len(responses), len(responses[0].microbatches)))  # [rank, slot]
+    for rank, response in enumerate(responses):
+        for slot, message in enumerate(response.microbatches):
             arrays = decode_microbatch(message)
             cu = arrays["cu_seqlens"]
             microbatch_tokens.append(int(cu[-1]))
+            slot_tokens[rank, slot] = cu[-1]  # a packed microbatch's cost: its tokens
             policy_tokens += int(arrays["loss_mask"].sum())
             for k, rollout_id in enumerate(message.rollout_ids):
                 lengths.append(int(cu[k + 1] - cu[k]))
@@ -150,6 +152,9 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
         "largest": max(microbatch_tokens),
         "groups": len(rewards_of_group),
         "zero_groups": sum(len(r) == 1 for r in rewards_of_group.values()),
+        "imbalance": slot_tokens.sum(axis=1).max() / slot_tokens.sum(axis=1).mean() - 1,
+        # Ranks wait for each other at every slot: time is the slot's costliest microbatch.
+        "lockstep": slot_tokens.sum() / (len(responses) * slot_tokens.max(axis=0).sum()),
     }
 
 
@@ -230,6 +235,8 @@ def test_live_metrics_equal_what_the_served_microbatches_contain(live_sidecar, c
     assert metric(m, "rlfeed_step_fill_ratio") == pytest.approx(
         newest["real"] / (newest["microbatches"] * budget)
     )
+    assert metric(m, "rlfeed_step_rank_imbalance") == pytest.approx(newest["imbalance"])
+    assert metric(m, "rlfeed_step_lockstep_efficiency_ratio") == pytest.approx(newest["lockstep"])
     assert metric(m, "rlfeed_step_zero_advantage_groups_ratio") == pytest.approx(
         newest["zero_groups"] / newest["groups"]
     )
