@@ -34,6 +34,7 @@ class StepWork:
     rollout_ids: list[str]  # per step rollout
     policy_versions: np.ndarray  # int64, per step rollout
     payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
+    record: Any = None  # the step's StepRecord, response_bytes still 0 (set by store_step)
 
 
 def materialize_work(work: StepWork, resolve: Callable[[Any], TokenColumns]) -> list[bytes]:

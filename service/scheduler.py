@@ -436,7 +436,7 @@ class Scheduler:
         self.counters.steps_assembled += 1
         self.counters.rollouts_trained += record.num_rollouts
         self.counters.policy_tokens_assembled += record.policy_token_count
-        return work
+        return replace(work, record=record)  # the front-end reports the step with it
 
     def fetch_batch(self, step: int, rank: int) -> FetchResult:
         """Rank `rank`'s stored response of `step`, and note the fetch (a state change: a

@@ -8,25 +8,32 @@ the actor is killed and Ray is shut down if this process started it.
 
 Per rollout batch the handler thread decodes the Arrow payload and validates it
 (vectorized numpy), `ray.put`s the columns and sends the actor one call with metadata
-arrays and the object reference. When that completes a step, the same thread asks the
-actor for the step's plan, materializes every rank's response (the bulk work, here and not
-in the actor), `ray.put`s them and hands the actor the references. So the actor's Python
-loop only sees metadata, and ingest and serving scale with front-end threads. GetBatch
+arrays and the object reference; the ack answers from its result. When that completes a
+step, the handler wakes this front-end's assembler thread and returns: the assembler asks
+the actor for the step's plan, materializes every rank's response (the bulk work, here and
+not in the actor), `ray.put`s them and hands the actor the references without waiting
+(`store_step`). So the actor's Python loop only sees metadata, ingest and serving scale
+with front-end threads, and a producer's ack never waits for step assembly. GetBatch
 answers with the stored response bytes as they are (a pass-through serializer), so a
 re-fetch is byte-identical.
 
 GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
-the step; if it is still not assembled, answer OK with `ready = false` (poll again).
+the step; if it is still not assembled, answer OK with `ready = false` (poll again). A
+rank's first fetch of a step this front-end assembled is answered from its memory, and the
+fetch is sent to the actor without waiting (it still goes through `fetch_batch`, after the
+step's `store_step`: one caller's actor calls run in submission order). Every other fetch
+waits for the actor's answer, which is how a released step is reported NOT_FOUND.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import ray
@@ -42,6 +49,7 @@ from rlfeed.service.materialize import materialize_work
 from rlfeed.service.scheduler import BackpressureError, BatchMeta
 from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
+_log = logging.getLogger("rlfeed.service.server")
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
 # signal (another front-end may have assembled it).
@@ -54,25 +62,38 @@ _RESPONSE_CACHE_BYTES = 256 * 2**20
 
 
 class _ResponseCache:
-    """step -> every rank's response bytes, least recently stored dropped first."""
+    """step -> every rank's response bytes, least recently stored dropped first; it also
+    remembers which ranks this front-end has served each step to."""
 
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
-        self._steps: OrderedDict[int, list[bytes]] = OrderedDict()
+        self._steps: OrderedDict[int, tuple[list[bytes], set[int]]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, step: int, responses: list[bytes]) -> None:
         with self._lock:
-            self._steps[step] = responses
+            self._steps[step] = (responses, set())
             self._bytes += sum(map(len, responses))
             while self._bytes > self._max_bytes and len(self._steps) > 1:
-                _, dropped = self._steps.popitem(last=False)
+                _, (dropped, _) = self._steps.popitem(last=False)
                 self._bytes -= sum(map(len, dropped))
 
     def get(self, step: int) -> list[bytes] | None:
         with self._lock:
-            return self._steps.get(step)
+            held = self._steps.get(step)
+            return held[0] if held is not None else None
+
+    def first_fetch(self, step: int, rank: int) -> bytes | None:
+        """The response if the step is here and this is the rank's first fetch of it from
+        this front-end (then noted); None otherwise. 0 <= rank < world_size is the caller's
+        check."""
+        with self._lock:
+            held = self._steps.get(step)
+            if held is None or rank in held[1]:
+                return None
+            held[1].add(rank)
+            return held[0][rank]
 
 
 def _unavailable_when_ray_fails(handler):
@@ -112,11 +133,18 @@ class SidecarServicer:
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._stopping = False
         self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
+        self._steps_ready = threading.Event()  # set by ingest: the actor has a step to plan
+        self._assembler: threading.Thread | None = None  # started by the first ready step
+        self._assembler_lock = threading.Lock()
 
     def release_waiters(self) -> None:
+        """Answer waiting GetBatch calls now and stop the assembler thread."""
         with self._steps_changed:
             self._stopping = True
             self._steps_changed.notify_all()
+        self._steps_ready.set()
+        if self._assembler is not None:
+            self._assembler.join(timeout=5.0)
 
     # ---- RolloutIngest --------------------------------------------------------------
 
@@ -150,7 +178,7 @@ class SidecarServicer:
             self._rejected(BackpressureError(result), arrays)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result)
         if result.steps_ready:
-            self._assemble()
+            self._wake_assembler()
         notify(
             self.events,
             "on_ingest",
@@ -171,21 +199,52 @@ class SidecarServicer:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
         notify(self.events, "on_reject", error, rollouts=rollouts, tokens=tokens)
 
+    def _wake_assembler(self) -> None:
+        with self._assembler_lock:
+            if self._assembler is None and not self._stopping:
+                self._assembler = threading.Thread(
+                    target=self._assemble_loop, name="rlfeed-assembler", daemon=True
+                )
+                self._assembler.start()
+        self._steps_ready.set()
+
+    def _assemble_loop(self) -> None:
+        """Assemble steps off the ingest path: the producer's ack never waits for it."""
+        while True:
+            self._steps_ready.wait()
+            self._steps_ready.clear()  # before planning: a step readied later wakes us again
+            if self._stopping:
+                return
+            try:
+                self._assemble()
+            except Exception:  # a dead actor surfaces on the next handler call too
+                if not self._stopping:
+                    _log.exception("rlfeed: step assembly failed")
+
     def _assemble(self) -> None:
         """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
         actor's), `ray.put` each rank's response and hand the actor the references; keep
-        the bytes in a local cache so this front-end serves them without a copy back."""
+        the bytes in a local cache so this front-end serves them without a copy back.
+
+        `store_step` is not waited for: the step enters the local cache after the call is
+        submitted, and the actor runs one caller's calls in submission order, so any fetch
+        this front-end sends for the step reaches the actor after the step."""
         planned_at = time.time()
         for work in ray.get(self.actor.plan_ready_steps.remote()):
-            responses = materialize_work(work, resolve=lambda handle: ray.get(handle[0]))
+            handles = list(work.payloads.values())  # each [ObjectRef of TokenColumns]
+            columns = dict(zip(map(id, handles), ray.get([h[0] for h in handles]), strict=True))
+            responses = materialize_work(work, resolve=lambda handle, c=columns: c[id(handle)])
             refs = [[ray.put(response)] for response in responses]
-            self._responses.put(work.step, responses)
             size = sum(map(len, responses))
-            record = ray.get(self.actor.store_step.remote(work.step, refs, size))
+            # The record store_step returns, known without waiting; reported before any
+            # fetch can see the step.
+            record = replace(work.record, response_bytes=size)
+            notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
+            self.actor.store_step.remote(work.step, refs, size)
+            self._responses.put(work.step, responses)
             with self._steps_changed:
                 self._steps_stored += 1
                 self._steps_changed.notify_all()
-            notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
 
     # ---- TaskSampling ---------------------------------------------------------------
 
@@ -216,9 +275,18 @@ class SidecarServicer:
         if remaining_call is not None:
             wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
         deadline = time.monotonic() + wait
+        local = 0 <= rank < self.config.batching.world_size
         while True:
             # Read before asking, so a step stored in between still wakes the wait below.
             stored_before = self._steps_stored
+            response = self._responses.first_fetch(step, rank) if local else None
+            if response is not None:
+                # A first fetch cannot meet a released step (release needs every rank's
+                # fetch), so it is answered from here; the actor records it in order after
+                # the step's store_step. Re-fetches ask the actor (it may have released).
+                self.actor.fetch_batch.remote(step, rank)
+                notify(self.events, "on_served", step, rank, response)
+                return response
             kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
             if kind == "ready":
                 cached = self._responses.get(step)

@@ -121,7 +121,14 @@ def producer_main(case: Case, address: str, producer: int, producers: int, go, r
 
 
 def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
+    import torch
     from rlfeed.client.loader import BatchLoader
+
+    # A trainer has torch loaded long before its first step: the import (seconds here) is
+    # not the loader's cost. Reading the mask stands in for a model that runs elsewhere (a
+    # GPU): one thread, so OpenMP workers spinning after each sum do not take the cores the
+    # sidecar, the producers and the other rank share on a small machine.
+    torch.set_num_threads(1)
 
     loader = BatchLoader(address, rank, WORLD_SIZE, stop_step=case.steps, timeout_s=300)
     policy_tokens = 0
