@@ -303,14 +303,49 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+class _PiecesSink:
+    """A write-only file that keeps what it is given: an Arrow IPC writer hands a Python
+    file its metadata as small bytes and each body buffer as a `pa.Buffer` over the array
+    itself, so the stream is collected without copying the columns."""
+
+    def __init__(self) -> None:
+        self.pieces: list = []
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        self.pieces.append(data)
+        self.size += size
+        return size
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _ipc_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
+    """(the IPC stream of `batch` as buffers to join, its size in bytes)."""
+    sink = _PiecesSink()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.pieces, sink.size
+
+
 def encode_microbatch_parts(microbatch: Microbatch, rollout_ids: Sequence[str]) -> list:
-    """The serialized `encode_microbatch(...)` as buffers to join (no copy made yet)."""
-    arrow = _ipc_buffer(_microbatch_record_batch(microbatch))
+    """The serialized `encode_microbatch(...)` as buffers to join (no copy made yet; the
+    Arrow body buffers are views of the microbatch's arrays)."""
+    arrow, size = _ipc_pieces(_microbatch_record_batch(microbatch))
     rest = pb.Microbatch(**_microbatch_fields(microbatch, rollout_ids))
     return [
         _MICROBATCH_ARROW_IPC_TAG,
-        _varint(arrow.size),
-        arrow,
+        _varint(size),
+        *arrow,
         rest.SerializeToString(deterministic=True),
     ]
 
@@ -318,14 +353,15 @@ def encode_microbatch_parts(microbatch: Microbatch, rollout_ids: Sequence[str]) 
 def join_rank_response(header: pb.GetBatchResponse, microbatches: Sequence[list]) -> bytes:
     """Serialized GetBatchResponse: `header` (no microbatches set) + the microbatches, each
     a list from `encode_microbatch_parts`. Byte-identical to setting `header.microbatches`
-    and calling SerializeToString(deterministic=True): fields 1-8, then 9, then 10."""
+    and calling SerializeToString(deterministic=True): fields 1-8, then 9, then 10. The
+    join is the one copy of the bulk data into the response."""
     after = pb.GetBatchResponse(num_rollouts=header.num_rollouts)
     before = pb.GetBatchResponse()
     before.CopyFrom(header)
     before.ClearField("num_rollouts")
     pieces = [before.SerializeToString(deterministic=True)]
     for parts in microbatches:
-        size = sum(part.size if isinstance(part, pa.Buffer) else len(part) for part in parts)
+        size = sum(memoryview(part).nbytes for part in parts)
         pieces += [_RESPONSE_MICROBATCH_TAG, _varint(size), *parts]
     pieces.append(after.SerializeToString(deterministic=True))
     return b"".join(pieces)

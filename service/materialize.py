@@ -1,10 +1,11 @@
 """Turn a step plan into the serialized response of every rank, once per step.
 
-The step's rollouts live in the flat TokenColumns of the batches they arrived in. They are
-gathered once into step-level columns (one vectorized gather per batch involved), then each
-microbatch is materialized with `sched.assembly.materialize_microbatch` and encoded by the
-codec. The result is one `GetBatchResponse` bytes object per rank; these bytes are what is
-stored and served, so a re-fetch of (step, rank) is byte-identical by construction.
+The step's rollouts live in the flat TokenColumns of the batches they arrived in. Each
+microbatch is gathered straight from those columns (`sched.gather.materialize_sequences`:
+every token copied once, no step-level intermediate) and encoded by the codec, whose Arrow
+streams reference the gathered arrays until one join writes the rank's response. The
+result is one `GetBatchResponse` bytes object per rank; these bytes are what is stored and
+served, so a re-fetch of (step, rank) is byte-identical by construction.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ from typing import Any
 
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.sched.assembly import (
-    StepPlan,
-    TokenColumns,
-    gather_token_ranges,
-    materialize_microbatch,
-)
+from rlfeed.sched.assembly import StepPlan, TokenColumns
+from rlfeed.sched.gather import materialize_sequences
 from rlfeed.service.codec import encode_microbatch_parts, join_rank_response
 
 
@@ -49,45 +46,6 @@ def materialize_work(work: StepWork, resolve: Callable[[Any], TokenColumns]) -> 
     )
 
 
-def gather_step_columns(
-    rows: Sequence[tuple[int, int]], columns: Mapping[int, TokenColumns]
-) -> tuple[TokenColumns, np.ndarray]:
-    """Step-level columns of rollouts rows[i] = (batch key, row in that batch).
-
-    Returns (step_columns, column_of): step rollout i is rollout column_of[i] of
-    step_columns. Rollouts are grouped by batch inside step_columns (one gather per batch).
-    """
-    batch_keys = np.array([key for key, _ in rows], dtype=np.int64)
-    batch_rows = np.array([row for _, row in rows], dtype=np.int64)
-    order = np.argsort(batch_keys, kind="stable")
-    column_of = np.empty(len(rows), dtype=np.int64)
-    column_of[order] = np.arange(len(rows))
-    pieces: dict[str, list[np.ndarray]] = {"token_ids": [], "action_mask": [], "logprobs": []}
-    lengths = []
-    for key in np.unique(batch_keys).tolist():
-        selected = batch_rows[order][batch_keys[order] == key]
-        source = columns[key]
-        offsets = np.asarray(source.offsets, dtype=np.int64)
-        positions = gather_token_ranges(offsets, selected)
-        pieces["token_ids"].append(source.token_ids[positions])
-        pieces["action_mask"].append(source.action_mask[positions])
-        pieces["logprobs"].append(source.sampler_logprobs[positions])
-        lengths.append(offsets[selected + 1] - offsets[selected])
-    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    step_offsets = np.concatenate(([0], np.cumsum(all_lengths))).astype(np.int64)
-
-    def joined(name: str, dtype: type) -> np.ndarray:
-        return np.concatenate(pieces[name]) if pieces[name] else np.zeros(0, dtype)
-
-    step_columns = TokenColumns(
-        offsets=step_offsets,
-        token_ids=joined("token_ids", np.int32),
-        action_mask=joined("action_mask", np.uint8),
-        sampler_logprobs=joined("logprobs", np.float32),
-    )
-    return step_columns, column_of
-
-
 def materialize_step(
     *,
     step: int,
@@ -101,13 +59,17 @@ def materialize_step(
 
     rows / rollout_ids / policy_versions: per step rollout, in the order `plan` indexes.
     """
-    step_columns, column_of = gather_step_columns(rows, columns)
-    advantages_by_column = np.zeros(len(rows), dtype=np.float32)
-    advantages_by_column[column_of] = plan.advantages
+    keys = sorted(columns)
+    sources = [columns[key] for key in keys]
+    source_of = np.searchsorted(keys, [key for key, _ in rows]).astype(np.int64)
+    row_of = np.array([row for _, row in rows], dtype=np.int64)
+    advantages = np.asarray(plan.advantages, dtype=np.float32)
     kept_versions = policy_versions[plan.kept] if plan.kept.size else policy_versions
     wire_microbatches = [
         encode_microbatch_parts(
-            materialize_microbatch(step_columns, column_of[members], advantages_by_column),
+            materialize_sequences(
+                sources, source_of[members], row_of[members], advantages[members], members
+            ),
             [rollout_ids[i] for i in members],
         )
         for members in plan.microbatches
