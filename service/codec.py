@@ -173,7 +173,67 @@ def _list(
     return flat, offsets - offsets[0]
 
 
-def decode_rollout_batch(payload: bytes) -> RolloutBatchArrays:
+@dataclass(frozen=True)
+class RolloutBatchView:
+    """A received `RolloutBatch` whose `arrow_ipc` is a view of the request bytes (the
+    generated message would copy the payload twice: into the parsed message, then out)."""
+
+    arrow_ipc: memoryview
+    sequence: int
+
+
+def _read_varint(data: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]  # IndexError on a truncated varint
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def parse_rollout_batch(data: bytes) -> RolloutBatchView:
+    """Serialized `RolloutBatch` -> RolloutBatchView without copying the payload; the
+    same field values `pb.RolloutBatch.FromString` gives (last occurrence wins, unknown
+    fields skipped). Input it does not handle is handed to FromString, so malformed bytes
+    raise what they always raised."""
+    view = memoryview(data)
+    arrow_ipc, sequence, position = view[:0], 0, 0
+    try:
+        while position < len(view):
+            tag, position = _read_varint(view, position)
+            field, wire_type = tag >> 3, tag & 7
+            if wire_type == 0:
+                value, position = _read_varint(view, position)
+                if field == 2:
+                    sequence = value & 0xFFFFFFFFFFFFFFFF
+                elif field == 1:
+                    raise ValueError("arrow_ipc with a varint wire type")
+            elif wire_type == 2:
+                size, position = _read_varint(view, position)
+                if position + size > len(view):
+                    raise ValueError("truncated field")
+                if field == 1:
+                    arrow_ipc = view[position : position + size]
+                elif field == 2:
+                    raise ValueError("sequence with a length-delimited wire type")
+                position += size
+            elif wire_type in (1, 5) and field not in (1, 2):
+                position += 8 if wire_type == 1 else 4
+            else:
+                raise ValueError(f"wire type {wire_type} for field {field}")
+        if position != len(view):
+            raise ValueError("truncated field")
+    except (ValueError, IndexError):
+        message = pb.RolloutBatch.FromString(data)  # raises DecodeError for malformed bytes
+        return RolloutBatchView(memoryview(message.arrow_ipc), message.sequence)
+    return RolloutBatchView(arrow_ipc, sequence)
+
+
+def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
     """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed payload,
     a missing column, a wrong type or a null."""
     try:
@@ -387,8 +447,9 @@ def decode_microbatch(message: pb.Microbatch) -> dict[str, np.ndarray]:
 def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.StatusResponse:
     """A scheduler status snapshot -> the GetStatus answer (plus the run's shape)."""
     counters = pb.Counters(**vars(snapshot.counters))
+    filtered_draws = snapshot.counters.tasks_sampled - snapshot.counters.revisits_sampled
     counters.rollouts_saved_by_filter = (
-        snapshot.counters.tasks_requested - snapshot.counters.tasks_sampled
+        snapshot.counters.tasks_requested - filtered_draws
     ) * config.rollouts.group_size
     response = pb.StatusResponse(
         version=__version__,

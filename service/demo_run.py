@@ -301,8 +301,9 @@ def _print_summary(figures, records, fleet_stats, status, config, seconds: float
             f"{uniform_share:.1%} expected ({dropped:,} rollouts dropped)"
         ),
         "rollouts saved by the filter": (
-            f"{status.counters.rollouts_saved_by_filter:,} (vs running every requested task; "
-            "negative while revisits cost more)"
+            f"{status.counters.rollouts_saved_by_filter:,} (tasks asked for but outside the "
+            f"filter); revisits of excluded tasks cost "
+            f"{status.counters.revisits_sampled * config.rollouts.group_size:,}"
         ),
         "step-0 ratio outlier share": f"{figures[0]['ratio_outlier_share']:.4f}",
         "final loss": f"{figures[-1]['loss']:+.4f}",

@@ -196,9 +196,10 @@ class MetricFamilies:
         self.rollouts_sampled = counter(
             "rlfeed_curriculum_rollouts_sampled", "Rollouts the returned tasks cost."
         )
-        self.rollouts_saved = gauge(
+        self.rollouts_saved = counter(
             "rlfeed_curriculum_rollouts_saved",
-            "Requested minus sampled rollouts since start (negative when revisits cost more).",
+            "Rollouts not spent because fewer tasks than requested passed the pass-rate "
+            "filter: (tasks requested - tasks drawn inside the filter) x group size.",
         )
         self.rollouts_saved_share = gauge(
             "rlfeed_curriculum_rollouts_saved_ratio",

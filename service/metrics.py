@@ -17,10 +17,11 @@ Definitions where a number could mean several things:
   step's microbatch slots (no-op microbatches included) that holds real tokens.
 - zero-advantage group share: zero-advantage groups / groups considered for the step,
   counting the groups drop_zero_advantage discarded while the step was filling.
-- rollouts saved by the filter: (tasks requested - tasks returned) x group_size summed over
-  SampleTasks calls: what sampling every requested task would spend minus what the
-  curriculum asked for (the proto's Counters.rollouts_saved_by_filter). Revisits are among
-  the tasks returned, so the sum can go negative; it is a gauge for that reason.
+- rollouts saved by the filter: (tasks requested - tasks drawn from inside the filter) x
+  group_size summed over SampleTasks calls: rollouts not spent because fewer tasks than
+  requested passed the filter (the proto's Counters.rollouts_saved_by_filter). Never
+  negative; the revisits of excluded tasks are their own counter (their cost is revisits x
+  group_size).
 - predicted GPU time: `sched.throughput.step_cost_from_tokens` on the step's token counts,
   model and GPU: phase "decode" prices the policy tokens generated for the step (the kept
   rollouts', or `generated_policy_tokens` when given), "train" and "logprob" the positions
@@ -336,10 +337,11 @@ class RlfeedMetrics:
         m.rollouts_requested.inc(requested * group_size)
         m.rollouts_sampled.inc(returned * group_size)
         with self._lock:
-            self._saved_rollouts += (requested - returned) * group_size
+            saved_now = (requested - (returned - revisits)) * group_size
+            self._saved_rollouts += saved_now
             self._rollouts_requested += requested * group_size
-            m.rollouts_saved.set(self._saved_rollouts)
-            saved = share(max(self._saved_rollouts, 0), self._rollouts_requested)
+            m.rollouts_saved.inc(saved_now)
+            saved = share(self._saved_rollouts, self._rollouts_requested)
             m.rollouts_saved_share.set(min(saved, 1.0))
 
     def on_curriculum(

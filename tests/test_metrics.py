@@ -284,7 +284,7 @@ def test_ingest_counters_and_every_reject_reason_exists_from_the_start():
     assert value(metrics, "rlfeed_buffered_bytes") == 6000
 
 
-def test_rollouts_saved_is_requested_minus_returned_tasks_times_group_size():
+def test_rollouts_saved_is_requested_minus_filtered_tasks_times_group_size():
     config = CurriculumConfig(estimator="last", revisits=1)
     state = init_pass_rates(50, config)
     state = type(state)(**{**vars(state), "estimate": np.linspace(0, 1, 50)})
@@ -295,10 +295,10 @@ def test_rollouts_saved_is_requested_minus_returned_tasks_times_group_size():
         chosen = select_tasks(state, n, config, rng)
         revisits = int(np.sum((state.estimate[chosen] <= 0) | (state.estimate[chosen] >= 1)))
         metrics.on_task_sample(requested=n, returned=chosen.size, revisits=revisits, group_size=8)
-        expected_saved += (n - chosen.size) * 8
+        expected_saved += (n - (chosen.size - revisits)) * 8
         returned_total += chosen.size
     assert expected_saved != 0
-    assert value(metrics, "rlfeed_curriculum_rollouts_saved") == expected_saved
+    assert value(metrics, "rlfeed_curriculum_rollouts_saved_total") == expected_saved
     assert value(metrics, "rlfeed_curriculum_tasks_sampled_total") == returned_total
     assert value(metrics, "rlfeed_curriculum_rollouts_requested_total") == 121 * 8
 

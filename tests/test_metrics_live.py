@@ -290,7 +290,8 @@ def test_live_metrics_equal_what_the_served_microbatches_contain(live_sidecar, c
     returned = len(sampled.task_ids)
     assert metric(m, "rlfeed_curriculum_tasks_requested_total") == 3
     assert metric(m, "rlfeed_curriculum_revisits_total") == sum(sampled.revisit)
-    assert metric(m, "rlfeed_curriculum_rollouts_saved") == (3 - returned) * group_size
+    filtered = returned - sum(sampled.revisit)
+    assert metric(m, "rlfeed_curriculum_rollouts_saved_total") == (3 - filtered) * group_size
     # Trainer reports: the NaN of step 1 left step 0's outlier share in place.
     assert metric(m, "rlfeed_trainer_ratio_outlier_ratio", rank="1") == pytest.approx(0.02)
     assert metric(m, "rlfeed_trainer_loss", rank="1") == -0.5

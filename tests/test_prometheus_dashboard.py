@@ -327,6 +327,6 @@ def test_every_dashboard_query_returns_data_from_prometheus_scraping_a_live_demo
         )
         assert number(summary["predicted GPU-hours per step"]) == pytest.approx(gpu_hours, rel=1e-3)
         assert number(summary["rollouts saved by the filter"]) == scalar(
-            prometheus, "rlfeed_curriculum_rollouts_saved", at
+            prometheus, "rlfeed_curriculum_rollouts_saved_total", at
         )
     assert layout.read_bytes().startswith(b"\x89PNG") and layout.stat().st_size > 10_000
