@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+from rlfeed.client.wire import encode_varint, length_delimited, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: producers never pay for it
@@ -103,6 +104,41 @@ class RolloutColumns:
         return length * 9  # int32 + uint8 + float32 per token
 
 
+class _PiecesSink:
+    """A write-only file that keeps what it is given: an Arrow IPC writer hands a Python
+    file its metadata as small bytes and each body buffer as a `pa.Buffer` over the array
+    itself, so a stream is collected without copying the columns."""
+
+    def __init__(self) -> None:
+        self.pieces: list = []
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        self.pieces.append(data)
+        self.size += size
+        return size
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def ipc_stream_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
+    """(the Arrow IPC stream of one record batch as buffers to join, its size in bytes);
+    the body buffers are views of the batch's arrays, so joining them is the only copy."""
+    sink = _PiecesSink()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.pieces, sink.size
+
+
 def _list_array(arrays: list[np.ndarray], offsets: np.ndarray, dtype: type) -> pa.ListArray:
     values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
@@ -114,6 +150,22 @@ def encode_rollouts(rows: RolloutColumns) -> bytes:
     Per-token arrays are concatenated once per batch and wrapped as Arrow list columns
     whose offsets are the batch's cu_seqlens; no per-token Python work.
     """
+    pieces, _ = _rollout_stream_pieces(rows)
+    return b"".join(pieces)
+
+
+def encode_rollout_batch(rows: RolloutColumns, sequence: int) -> bytes:
+    """The serialized `RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)`,
+    written with one copy of the token data (the generated message would make three)."""
+    pieces, size = _rollout_stream_pieces(rows)
+    tail = [_SEQUENCE_TAG, encode_varint(sequence)] if sequence else []
+    return b"".join([length_delimited(1, size), *pieces, *tail])  # arrow_ipc = 1
+
+
+_SEQUENCE_TAG = b"\x10"  # RolloutBatch.sequence = 2, varint
+
+
+def _rollout_stream_pieces(rows: RolloutColumns) -> tuple[list, int]:
     lengths = np.fromiter((a.size for a in rows.token_ids), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -125,11 +177,7 @@ def encode_rollouts(rows: RolloutColumns) -> bytes:
         pa.array(rows.reward, pa.float64()),
         *(_list_array(getattr(rows, n), offsets, _TOKEN_DTYPES[n]) for n in TOKEN_COLUMNS),
     ]
-    batch = pa.RecordBatch.from_arrays(columns, schema=INGEST_SCHEMA)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, INGEST_SCHEMA) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    return ipc_stream_pieces(pa.RecordBatch.from_arrays(columns, schema=INGEST_SCHEMA))
 
 
 @dataclass(frozen=True)
@@ -180,7 +228,7 @@ MICROBATCH_COLUMNS = {
 _WIDENED = {"position_ids": np.int64}  # what Hugging Face models take; the rest stay as served
 
 
-def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor]:
+def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str, torch.Tensor]:
     """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column),
     except the `_WIDENED` columns, which are converted copies."""
     import torch
@@ -190,7 +238,7 @@ def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor
             name: torch.from_numpy(np.zeros(0, dtype=_WIDENED.get(name, dtype.to_pandas_dtype())))
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
-    table = pa.ipc.open_stream(arrow_ipc).read_all()
+    table = pa.ipc.open_stream(pa.py_buffer(arrow_ipc)).read_all()
     out = {}
     for name, dtype in MICROBATCH_COLUMNS.items():
         if name not in table.column_names:
@@ -213,8 +261,57 @@ def _column_tensors(arrow_ipc: bytes, num_tokens: int) -> dict[str, torch.Tensor
     return out
 
 
-def decode_step(response: pb.GetBatchResponse) -> list[MicrobatchTensors]:
-    """A ready `GetBatchResponse` -> this rank's microbatches, in order."""
+@dataclass(frozen=True)
+class ServedMicrobatch:
+    """A served `Microbatch`: `arrow_ipc` viewed in place, every other field in `fields`."""
+
+    arrow_ipc: memoryview
+    fields: pb.Microbatch  # arrow_ipc left empty
+
+    def __getattr__(self, name: str):
+        return getattr(self.fields, name)
+
+
+@dataclass(frozen=True)
+class ServedResponse:
+    """A received `GetBatchResponse` whose Arrow payloads are views of the received bytes
+    (the tensors decoded from it alias them); reads like the message: `.ready`, `.step`,
+    ..., `.microbatches[i].arrow_ipc`."""
+
+    header: pb.GetBatchResponse  # microbatches left empty
+    microbatches: list[ServedMicrobatch]
+
+    def __getattr__(self, name: str):
+        return getattr(self.header, name)
+
+
+def parse_get_batch_response(data: bytes) -> ServedResponse:
+    """Serialized `GetBatchResponse` -> ServedResponse, without copying the Arrow payloads
+    (the generated message would copy each twice). Same field values as FromString; input
+    the in-place walk rejects goes through FromString (malformed bytes raise DecodeError)."""
+    try:
+        parts, rest = split_field(memoryview(data), 9)  # microbatches = 9
+        microbatches = []
+        for part in parts:
+            payloads, fields = split_field(part, 1)  # Microbatch.arrow_ipc = 1
+            arrow_ipc = payloads[-1] if payloads else memoryview(b"")
+            microbatches.append(ServedMicrobatch(arrow_ipc, pb.Microbatch.FromString(fields)))
+        return ServedResponse(pb.GetBatchResponse.FromString(rest), microbatches)
+    except ValueError:
+        message = pb.GetBatchResponse.FromString(data)
+    microbatches = []
+    for served in message.microbatches:
+        fields = pb.Microbatch()
+        fields.CopyFrom(served)
+        fields.ClearField("arrow_ipc")
+        microbatches.append(ServedMicrobatch(memoryview(served.arrow_ipc), fields))
+    message.ClearField("microbatches")
+    return ServedResponse(message, microbatches)
+
+
+def decode_step(response: pb.GetBatchResponse | ServedResponse) -> list[MicrobatchTensors]:
+    """A ready `GetBatchResponse` (or its in-place view) -> this rank's microbatches, in
+    order."""
     import torch
 
     if not response.ready:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rlfeed.client.arrow_codec import MicrobatchTensors, decode_step
+from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
 from rlfeed.client.transport import Transport, connect
 from rlfeed.proto import rlfeed_pb2 as pb
 
@@ -105,6 +105,9 @@ class BatchLoader:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._transport, self._owns_transport = connect(address_or_transport)
+        # The in-place view where the transport offers one: tensors then alias the received
+        # bytes instead of copies the generated message would make.
+        self._get_batch = getattr(self._transport, "get_batch_view", self._transport.get_batch)
         self.prefetch = prefetch
         self.stop_step = stop_step
         self.timeout_s = timeout_s
@@ -131,7 +134,7 @@ class BatchLoader:
         deadline = time.monotonic() + self.timeout_s
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
-            response = self._transport.get_batch(step, self.rank, wait)
+            response = self._get_batch(step, self.rank, wait)
             if response.ready:
                 return self._decode(response, step)
             if time.monotonic() >= deadline:
@@ -141,7 +144,7 @@ class BatchLoader:
             if self._prefetcher is not None and self._prefetcher.stopping:
                 raise _Stopped
 
-    def _decode(self, response: pb.GetBatchResponse, step: int) -> TrainStep:
+    def _decode(self, response: pb.GetBatchResponse | ServedResponse, step: int) -> TrainStep:
         if response.world_size != self.world_size:
             raise ValueError(
                 f"this loader has world_size={self.world_size} but the sidecar serves "

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
+from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, encode_rollouts
 from rlfeed.client.transport import (
     BufferFullError,
     InvalidRolloutsError,
@@ -262,11 +262,17 @@ class RolloutWriter:
     def _submit_with_retry(
         self, rows: RolloutColumns, sequence: int
     ) -> tuple[pb.SubmitAck | None, Exception | None]:
-        batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
+        submit_serialized = getattr(self._transport, "submit_serialized", None)
+        if submit_serialized is not None:  # one copy of the token data, not three
+            request = encode_rollout_batch(rows, sequence)
+            send = lambda: submit_serialized(request)  # noqa: E731
+        else:
+            batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
+            send = lambda: self._transport.submit(batch)  # noqa: E731
         backoff = self.retry_backoff_s
         while True:
             try:
-                return self._transport.submit(batch), None
+                return send(), None
             except InvalidRolloutsError as exc:
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
             except BufferFullError:

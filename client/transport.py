@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
+from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
 
 
@@ -99,6 +100,16 @@ class GrpcTransport:
         self._tasks = pb_grpc.TaskSamplingStub(self._channel)
         self._batches = pb_grpc.BatchServingStub(self._channel)
         self._status = pb_grpc.SidecarStatusStub(self._channel)
+        self._submit_serialized = self._channel.unary_unary(
+            "/rlfeed.v1.RolloutIngest/SubmitRolloutBatch",
+            request_serializer=None,  # the caller serialized it
+            response_deserializer=pb.SubmitAck.FromString,
+        )
+        self._get_batch_view = self._channel.unary_unary(
+            "/rlfeed.v1.BatchServing/GetBatch",
+            request_serializer=pb.GetBatchRequest.SerializeToString,
+            response_deserializer=parse_get_batch_response,
+        )
 
     def _call(self, method, request, timeout_s: float | None = None):
         try:
@@ -109,6 +120,11 @@ class GrpcTransport:
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
         return self._call(self._ingest.SubmitRolloutBatch, batch)
 
+    def submit_serialized(self, request: bytes) -> pb.SubmitAck:
+        """`submit` of a serialized `RolloutBatch` (`arrow_codec.encode_rollout_batch`,
+        what `RolloutWriter` sends: the payload is not copied into a message first)."""
+        return self._call(self._submit_serialized, request)
+
     def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
         return self._call(self._tasks.RegisterTasks, pb.RegisterTasksRequest(task_ids=task_ids))
 
@@ -118,6 +134,12 @@ class GrpcTransport:
     def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
         request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
         return self._call(self._batches.GetBatch, request, timeout_s=wait_s + self._call_timeout_s)
+
+    def get_batch_view(self, step: int, rank: int, wait_s: float) -> ServedResponse:
+        """`get_batch`, answered as a `ServedResponse`: the Arrow payloads stay in the
+        received bytes (what `BatchLoader` uses)."""
+        request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
+        return self._call(self._get_batch_view, request, timeout_s=wait_s + self._call_timeout_s)
 
     def report(self, report: pb.TrainerReport) -> None:
         self._call(self._batches.ReportTrainerMetrics, report)
@@ -218,6 +240,15 @@ class InProcessTransport:
         )
 
     def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
+        served = self._fetch(step, rank, wait_s)
+        return pb.GetBatchResponse.FromString(served) if served else pb.GetBatchResponse()
+
+    def get_batch_view(self, step: int, rank: int, wait_s: float) -> ServedResponse:
+        """`get_batch` as a `ServedResponse` (Arrow payloads viewed in the stored bytes)."""
+        return parse_get_batch_response(self._fetch(step, rank, wait_s))
+
+    def _fetch(self, step: int, rank: int, wait_s: float) -> bytes:
+        """The stored response bytes, or b"" (a not-ready answer) after `wait_s`."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -226,12 +257,12 @@ class InProcessTransport:
                 except ValueError as exc:
                     raise SidecarError("INVALID_ARGUMENT", str(exc)) from None
                 if result.ready:
-                    return pb.GetBatchResponse.FromString(result.payload)
+                    return result.payload
                 if result.released:
                     raise StepReleasedError(f"step {step} is no longer retained")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return pb.GetBatchResponse(ready=False)
+                    return b""
                 self._cond.wait(remaining)
 
     def report(self, report: pb.TrainerReport) -> None:

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 from rlfeed import __version__
+from rlfeed.client.arrow_codec import ipc_stream_pieces
+from rlfeed.client.wire import encode_varint as _varint
+from rlfeed.client.wire import split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 
@@ -182,55 +185,18 @@ class RolloutBatchView:
     sequence: int
 
 
-def _read_varint(data: memoryview, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[position]  # IndexError on a truncated varint
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
 def parse_rollout_batch(data: bytes) -> RolloutBatchView:
     """Serialized `RolloutBatch` -> RolloutBatchView without copying the payload; the
-    same field values `pb.RolloutBatch.FromString` gives (last occurrence wins, unknown
-    fields skipped). Input it does not handle is handed to FromString, so malformed bytes
-    raise what they always raised."""
-    view = memoryview(data)
-    arrow_ipc, sequence, position = view[:0], 0, 0
+    field values `pb.RolloutBatch.FromString` gives (the last `arrow_ipc` wins, unknown
+    fields are ignored). Bytes the in-place walk rejects go to FromString, so malformed
+    input raises what it always raised."""
     try:
-        while position < len(view):
-            tag, position = _read_varint(view, position)
-            field, wire_type = tag >> 3, tag & 7
-            if wire_type == 0:
-                value, position = _read_varint(view, position)
-                if field == 2:
-                    sequence = value & 0xFFFFFFFFFFFFFFFF
-                elif field == 1:
-                    raise ValueError("arrow_ipc with a varint wire type")
-            elif wire_type == 2:
-                size, position = _read_varint(view, position)
-                if position + size > len(view):
-                    raise ValueError("truncated field")
-                if field == 1:
-                    arrow_ipc = view[position : position + size]
-                elif field == 2:
-                    raise ValueError("sequence with a length-delimited wire type")
-                position += size
-            elif wire_type in (1, 5) and field not in (1, 2):
-                position += 8 if wire_type == 1 else 4
-            else:
-                raise ValueError(f"wire type {wire_type} for field {field}")
-        if position != len(view):
-            raise ValueError("truncated field")
-    except (ValueError, IndexError):
-        message = pb.RolloutBatch.FromString(data)  # raises DecodeError for malformed bytes
+        payloads, rest = split_field(memoryview(data), 1)  # arrow_ipc = 1
+        sequence = pb.RolloutBatch.FromString(rest).sequence
+    except ValueError:
+        message = pb.RolloutBatch.FromString(data)  # DecodeError for malformed bytes
         return RolloutBatchView(memoryview(message.arrow_ipc), message.sequence)
-    return RolloutBatchView(arrow_ipc, sequence)
+    return RolloutBatchView(payloads[-1] if payloads else memoryview(b""), sequence)
 
 
 def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
@@ -354,53 +320,10 @@ _MICROBATCH_ARROW_IPC_TAG = b"\x0a"  # Microbatch.arrow_ipc = 1
 _RESPONSE_MICROBATCH_TAG = b"\x4a"  # GetBatchResponse.microbatches = 9
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-class _PiecesSink:
-    """A write-only file that keeps what it is given: an Arrow IPC writer hands a Python
-    file its metadata as small bytes and each body buffer as a `pa.Buffer` over the array
-    itself, so the stream is collected without copying the columns."""
-
-    def __init__(self) -> None:
-        self.pieces: list = []
-        self.size = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        self.pieces.append(data)
-        self.size += size
-        return size
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _ipc_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
-    """(the IPC stream of `batch` as buffers to join, its size in bytes)."""
-    sink = _PiecesSink()
-    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.pieces, sink.size
-
-
 def encode_microbatch_parts(microbatch: Microbatch, rollout_ids: Sequence[str]) -> list:
     """The serialized `encode_microbatch(...)` as buffers to join (no copy made yet; the
     Arrow body buffers are views of the microbatch's arrays)."""
-    arrow, size = _ipc_pieces(_microbatch_record_batch(microbatch))
+    arrow, size = ipc_stream_pieces(_microbatch_record_batch(microbatch))
     rest = pb.Microbatch(**_microbatch_fields(microbatch, rollout_ids))
     return [
         _MICROBATCH_ARROW_IPC_TAG,

@@ -42,7 +42,12 @@ from grpc_reflection.v1alpha import reflection
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.actors import create_scheduler_actor
-from rlfeed.service.codec import decode_rollout_batch, status_to_proto
+from rlfeed.service.codec import (
+    RolloutBatchView,
+    decode_rollout_batch,
+    parse_rollout_batch,
+    status_to_proto,
+)
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.events import ServerEvents, notify
 from rlfeed.service.materialize import materialize_work
@@ -153,7 +158,7 @@ class SidecarServicer:
             yield self.SubmitRolloutBatch(request, context)
 
     @_unavailable_when_ray_fails
-    def SubmitRolloutBatch(self, request: pb.RolloutBatch, context) -> pb.SubmitAck:
+    def SubmitRolloutBatch(self, request: RolloutBatchView, context) -> pb.SubmitAck:
         received = time.monotonic()
         arrays = None
         try:
@@ -330,6 +335,26 @@ class SidecarServicer:
         return status_to_proto(ray.get(self.actor.status.remote()), self.config)
 
 
+def _rollout_ingest_handler(servicer: SidecarServicer) -> grpc.GenericRpcHandler:
+    """RolloutIngest registered by hand: a batch's Arrow payload is read in place from the
+    request bytes (`parse_rollout_batch`), not copied into a message and out again."""
+    return grpc.method_handlers_generic_handler(
+        "rlfeed.v1.RolloutIngest",
+        {
+            "SubmitRollouts": grpc.stream_stream_rpc_method_handler(
+                servicer.SubmitRollouts,
+                request_deserializer=parse_rollout_batch,
+                response_serializer=pb.SubmitAck.SerializeToString,
+            ),
+            "SubmitRolloutBatch": grpc.unary_unary_rpc_method_handler(
+                servicer.SubmitRolloutBatch,
+                request_deserializer=parse_rollout_batch,
+                response_serializer=pb.SubmitAck.SerializeToString,
+            ),
+        },
+    )
+
+
 def _batch_serving_handler(servicer: SidecarServicer) -> grpc.GenericRpcHandler:
     """BatchServing registered by hand: GetBatch returns stored bytes as they are."""
     return grpc.method_handlers_generic_handler(
@@ -432,10 +457,11 @@ def start_server(
                 ("grpc.so_reuseport", 0),  # a busy port is an error, not a shared socket
             ],
         )
-        pb_grpc.add_RolloutIngestServicer_to_server(servicer, server)
         pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
         pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
-        server.add_generic_rpc_handlers((_batch_serving_handler(servicer),))
+        server.add_generic_rpc_handlers(
+            (_rollout_ingest_handler(servicer), _batch_serving_handler(servicer))
+        )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
