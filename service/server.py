@@ -136,6 +136,7 @@ class SidecarServicer:
         self.events = events if events is not None else ServerEvents()
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
+        self._newest_stored = -1  # the newest step this front-end stored
         self._stopping = False
         self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
         self._steps_ready = threading.Event()  # set by ingest: the actor has a step to plan
@@ -249,6 +250,7 @@ class SidecarServicer:
             self._responses.put(work.step, responses)
             with self._steps_changed:
                 self._steps_stored += 1
+                self._newest_stored = max(self._newest_stored, work.step)
                 self._steps_changed.notify_all()
 
     # ---- TaskSampling ---------------------------------------------------------------
@@ -281,6 +283,7 @@ class SidecarServicer:
             wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
         deadline = time.monotonic() + wait
         local = 0 <= rank < self.config.batching.world_size
+        timed_out = False
         while True:
             # Read before asking, so a step stored in between still wakes the wait below.
             stored_before = self._steps_stored
@@ -292,7 +295,12 @@ class SidecarServicer:
                 self.actor.fetch_batch.remote(step, rank)
                 notify(self.events, "on_served", step, rank, response)
                 return response
-            kind, value = ray.get(self.actor.fetch_batch.remote(step, rank))
+            # A step past the newest one stored here is most likely still being produced:
+            # wait for this front-end's signal first and ask the actor only once a wait
+            # times out (another front-end may have stored it; answers stay correct, the
+            # actor is just not asked a round trip per prefetching rank and step).
+            ahead = local and step > self._newest_stored and not timed_out
+            kind, value = ("waiting", None) if ahead else self._ask_fetch(step, rank)
             if kind == "ready":
                 cached = self._responses.get(step)
                 response = cached[rank] if cached is not None else ray.get(value[0])
@@ -310,10 +318,13 @@ class SidecarServicer:
             if remaining <= 0 or self._stopping:
                 return pb.GetBatchResponse(ready=False, step=step, rank=rank)
             with self._steps_changed:
-                self._steps_changed.wait_for(
+                timed_out = not self._steps_changed.wait_for(
                     lambda before=stored_before: self._steps_stored != before or self._stopping,
                     timeout=min(remaining, _POLL_SECONDS),
                 )
+
+    def _ask_fetch(self, step: int, rank: int) -> tuple[str, object]:
+        return ray.get(self.actor.fetch_batch.remote(step, rank))
 
     @_unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
