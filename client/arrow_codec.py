@@ -79,29 +79,33 @@ class RolloutColumns:
     ) -> int:
         """Add one rollout; returns its token payload in bytes. Lengths are checked here so
         a producer bug is reported at the call that made it, not by the server later."""
-        arrays = {
-            name: np.asarray(value, dtype=_TOKEN_DTYPES[name])
-            for name, value in zip(
-                TOKEN_COLUMNS, (token_ids, action_mask, sampler_logprobs), strict=True
-            )
-        }
-        length = arrays["token_ids"].size
-        for name, array in arrays.items():
-            if array.ndim != 1:
-                raise ValueError(f"rollout {rollout_id!r}: {name} must be 1-D, got {array.shape}")
-            if array.size != length:
-                raise ValueError(
-                    f"rollout {rollout_id!r}: {name} has {array.size} entries but token_ids "
-                    f"has {length}"
-                )
+        # Straight-line code: this runs once per rollout on the producer's thread.
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        mask = np.asarray(action_mask, dtype=np.uint8)
+        logprobs = np.asarray(sampler_logprobs, dtype=np.float32)
+        if tokens.ndim != 1 or mask.shape != tokens.shape or logprobs.shape != tokens.shape:
+            _raise_shape_error(rollout_id, (tokens, mask, logprobs))
         self.rollout_id.append(str(rollout_id))
         self.task_id.append(str(task_id))
         self.group_id.append(str(group_id))
         self.policy_version.append(int(policy_version))
         self.reward.append(float(reward))
-        for name, array in arrays.items():
-            getattr(self, name).append(array)
-        return length * 9  # int32 + uint8 + float32 per token
+        self.token_ids.append(tokens)
+        self.action_mask.append(mask)
+        self.sampler_logprobs.append(logprobs)
+        return tokens.size * 9  # int32 + uint8 + float32 per token
+
+
+def _raise_shape_error(rollout_id: str, arrays: tuple[np.ndarray, ...]) -> None:
+    length = arrays[0].size
+    for name, array in zip(TOKEN_COLUMNS, arrays, strict=True):
+        if array.ndim != 1:
+            raise ValueError(f"rollout {rollout_id!r}: {name} must be 1-D, got {array.shape}")
+        if array.size != length:
+            raise ValueError(
+                f"rollout {rollout_id!r}: {name} has {array.size} entries but token_ids "
+                f"has {length}"
+            )
 
 
 class _PiecesSink:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
-from rlfeed.client.transport import Transport, connect
+from rlfeed.client.transport import Transport, connect, fast_variant
 from rlfeed.proto import rlfeed_pb2 as pb
 
 
@@ -107,7 +107,10 @@ class BatchLoader:
         self._transport, self._owns_transport = connect(address_or_transport)
         # The in-place view where the transport offers one: tensors then alias the received
         # bytes instead of copies the generated message would make.
-        self._get_batch = getattr(self._transport, "get_batch_view", self._transport.get_batch)
+        self._get_batch = (
+            fast_variant(self._transport, "get_batch", "get_batch_view")
+            or self._transport.get_batch
+        )
         self.prefetch = prefetch
         self.stop_step = stop_step
         self.timeout_s = timeout_s

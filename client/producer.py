@@ -6,8 +6,9 @@
                 writer.write(rollout_id=f"{task_id}/{k}", task_id=task_id, ...)
 
 `write()` only appends to column lists; every `max_batch_rollouts` rollouts become one
-`RolloutBatch` that a background sender thread encodes (`arrow_codec.encode_rollouts`) and
-submits, so generation and network overlap. The writer holds at most
+`RolloutBatch` that a background sender thread encodes (`arrow_codec.encode_rollout_batch`)
+and submits, so generation and network overlap; with `max_in_flight` > 1, that many sender
+threads keep batches in flight together. The writer holds at most
 `max_buffered_rollouts` rollouts that the sidecar has not acknowledged (pending + queued +
 in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch with
 backoff; the writer's buffer then fills, and `write()` blocks (`on_full="block"`) or raises
@@ -36,6 +37,7 @@ from rlfeed.client.transport import (
     SidecarError,
     Transport,
     connect,
+    fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
 
@@ -50,6 +52,9 @@ class RolloutWriter:
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
     retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
+    max_in_flight: batches submitted at once. 1 keeps this writer's batches in write
+      order at the sidecar; more overlaps one batch's round trip with the next ones (the
+      sidecar may then see them in another order; acks still come back in batch order).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class RolloutWriter:
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
+        max_in_flight: int = 1,
     ) -> None:
         if max_batch_rollouts < 1:
             raise ValueError(f"max_batch_rollouts must be >= 1, got {max_batch_rollouts}")
@@ -70,6 +76,8 @@ class RolloutWriter:
                 f"max_buffered_rollouts ({max_buffered_rollouts}) must be >= "
                 f"max_batch_rollouts ({max_batch_rollouts})"
             )
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if on_full not in ("block", "raise"):
             raise ValueError(f"on_full must be 'block' or 'raise', got {on_full!r}")
         self._transport, self._owns_transport = connect(address_or_transport)
@@ -79,18 +87,19 @@ class RolloutWriter:
         self.on_full = on_full
         self.block_timeout_s = block_timeout_s
         self.retry_backoff_s = retry_backoff_s
+        self.max_in_flight = max_in_flight
 
         self._pending = RolloutColumns.empty()
         self._pending_bytes = 0
         self._queue: deque[RolloutColumns] = deque()
         self._unacked = 0  # pending + queued + in flight
-        self._in_flight = False
-        self._sequence = 0
-        self._acks: list[pb.SubmitAck] = []
+        self._in_flight = 0  # batches being submitted
+        self._sequence = 0  # of the next batch sent
+        self._acks: list[tuple[int, pb.SubmitAck]] = []  # (sequence, ack)
         self._error: Exception | None = None
         self._closed = False
         self._cond = threading.Condition()
-        self._sender: threading.Thread | None = None
+        self._senders: list[threading.Thread] = []
 
     # -- producer API -------------------------------------------------------------------
 
@@ -144,7 +153,7 @@ class RolloutWriter:
                 self._cond.wait(remaining)
             self._raise_pending_error()
             acks, self._acks = self._acks, []
-            return acks
+            return [ack for _, ack in sorted(acks, key=lambda pair: pair[0])]
 
     def close(self) -> None:
         """Flush, stop the sender thread, close an owned channel. Idempotent."""
@@ -157,8 +166,8 @@ class RolloutWriter:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            if self._sender is not None:
-                self._sender.join()
+            for sender in self._senders:
+                sender.join()
             if self._owns_transport:
                 self._transport.close()
         self._raise_pending_error()
@@ -225,11 +234,12 @@ class RolloutWriter:
         self._queue.append(self._pending)
         self._pending = RolloutColumns.empty()
         self._pending_bytes = 0
-        if self._sender is None:
-            self._sender = threading.Thread(
+        if len(self._senders) < self.max_in_flight:
+            sender = threading.Thread(
                 target=self._send_loop, name="rlfeed-rollout-writer", daemon=True
             )
-            self._sender.start()
+            self._senders.append(sender)
+            sender.start()
         self._cond.notify_all()
 
     # -- sender thread --------------------------------------------------------------------
@@ -241,20 +251,19 @@ class RolloutWriter:
                     self._cond.wait()
                 if not self._queue:
                     return
-                rows = self._queue[0]
-                self._in_flight = True
+                rows = self._queue.popleft()
+                self._in_flight += 1
                 sequence = self._sequence
+                self._sequence += 1
             try:
                 ack, error = self._submit_with_retry(rows, sequence)
             except Exception as exc:  # surfaced to the producer, never lost in this thread
                 ack, error = None, exc
             with self._cond:
-                self._queue.popleft()
-                self._in_flight = False
+                self._in_flight -= 1
                 self._unacked -= len(rows)
                 if ack is not None:
-                    self._sequence += 1
-                    self._acks.append(ack)
+                    self._acks.append((sequence, ack))
                 if error is not None and self._error is None:
                     self._error = error
                 self._cond.notify_all()
@@ -262,7 +271,7 @@ class RolloutWriter:
     def _submit_with_retry(
         self, rows: RolloutColumns, sequence: int
     ) -> tuple[pb.SubmitAck | None, Exception | None]:
-        submit_serialized = getattr(self._transport, "submit_serialized", None)
+        submit_serialized = fast_variant(self._transport, "submit", "submit_serialized")
         if submit_serialized is not None:  # one copy of the token data, not three
             request = encode_rollout_batch(rows, sequence)
             send = lambda: submit_serialized(request)  # noqa: E731

@@ -163,6 +163,18 @@ def _sidecar_error(exc) -> SidecarError:
     return SidecarError(code, message)
 
 
+def fast_variant(transport: Transport, plain: str, fast: str):
+    """`transport.<fast>` (e.g. `get_batch_view` for `get_batch`) when the class that
+    defines it also defines `<plain>`, else None: a subclass or wrapper that intercepts the
+    plain call is never bypassed by a fast path it did not write."""
+    mro = type(transport).__mro__
+    fast_owner = next((cls for cls in mro if fast in vars(cls)), None)
+    plain_owner = next((cls for cls in mro if plain in vars(cls)), None)
+    if fast_owner is None or fast_owner is not plain_owner:
+        return None
+    return getattr(transport, fast)
+
+
 def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
     """(transport, owned): a `GrpcTransport` for an address string (owned: close it after
     use), or the given transport as is (not owned)."""

@@ -329,3 +329,48 @@ def test_sidecar_backpressure_over_grpc_blocks_until_a_trainer_fetches(make_side
     writer.close()
     assert transport.status().counters.rollouts_accepted == 6
     transport.close()
+
+
+def test_batches_in_flight_together_are_acknowledged_in_batch_order(recording):
+    lock, inside, most = threading.Lock(), [0], [0]
+    plain_submit = recording.submit
+
+    def slow_submit(batch):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05 if batch.sequence % 2 == 0 else 0.01)  # later batches may finish first
+        try:
+            return plain_submit(batch)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    recording.submit = slow_submit
+    writer = RolloutWriter(recording, max_batch_rollouts=2, max_in_flight=3)
+    for i in range(12):
+        writer.write(**rollout(i))
+    acks = writer.flush()
+    writer.close()
+    assert [a.sequence for a in acks] == list(range(6))
+    assert all(a.accepted == 2 for a in acks)
+    assert most[0] > 1, "batches were never submitted concurrently"
+    assert recording.status().counters.rollouts_accepted == 12
+
+
+def test_a_transport_that_overrides_submit_is_never_bypassed():
+    from rlfeed.client.transport import GrpcTransport, fast_variant
+
+    class Intercepting(GrpcTransport):
+        def submit(self, batch):
+            return super().submit(batch)
+
+    plain = GrpcTransport("127.0.0.1:1")
+    intercepting = Intercepting("127.0.0.1:1")
+    try:
+        assert fast_variant(plain, "submit", "submit_serialized") == plain.submit_serialized
+        assert fast_variant(intercepting, "submit", "submit_serialized") is None
+        assert fast_variant(make_transport(), "submit", "submit_serialized") is None
+    finally:
+        plain.close()
+        intercepting.close()
