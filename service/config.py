@@ -117,8 +117,11 @@ class RolloutsConfig:
     vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
     max_buffered_rollouts: int = _f(
         200_000,
-        "accepted rollouts not yet fetched by every rank; beyond it ingest answers "
-        "RESOURCE_EXHAUSTED",
+        "bound on accepted rollouts not yet fetched by every rank: while an assembled step "
+        "waits for ranks, a batch opening a new group beyond it is refused "
+        "(RESOURCE_EXHAUSTED) until they fetch; rollouts joining a group already buffered are "
+        "always taken, and with no step waiting so are new groups (partial groups may then "
+        "exceed it), so a refusal never deadlocks",
     )
 
     def __post_init__(self) -> None:

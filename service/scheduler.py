@@ -153,6 +153,11 @@ class Scheduler:
         """Buffer a validated batch. All-or-nothing: InvalidBatchError (unknown task, group
         over group_size or spanning two tasks) or BackpressureError leave no trace.
 
+        Backpressure (see `RolloutsConfig.max_buffered_rollouts`): the batch is refused only
+        if it opens a new group, the rollouts buffered or in unfetched steps plus the batch's
+        would exceed the bound, and ranks fetching can make room. A batch whose rollouts all
+        join groups already buffered is always taken, so buffered groups can always complete.
+
         The work is per group of the batch, not per rollout, wherever it can be: this is
         the actor's hot path (one call per batch, all producers).
         """
@@ -177,7 +182,7 @@ class Scheduler:
                 ids[row], "task_id", f"unknown task {tasks[row]!r}", reason="unknown_task"
             )
         stale_groups: set[str] = set()
-        incoming = 0
+        incoming = opening = 0  # fresh rollouts taken; those of them that open a new group
         for group_id, rows in by_group.items():
             task_id = tasks[rows[0]]
             group = self._group(group_id)
@@ -213,6 +218,7 @@ class Scheduler:
                     reason="group_overflow",
                 )
             incoming += len(rows)
+            opening += len(rows) if group is None else 0
         if newest > self._newest_version:
             stale_groups.update(
                 g
@@ -221,10 +227,15 @@ class Scheduler:
             )
         freed = sum(len(self._group(g).rows) for g in stale_groups if self._group(g))
         live = self._buffered_rollouts + self._rollouts_in_steps - freed
-        if incoming and live + incoming > rollouts.max_buffered_rollouts:
+        if (
+            opening
+            and live + incoming > rollouts.max_buffered_rollouts
+            and self._ranks_can_make_room(stale_groups)
+        ):
             raise BackpressureError(
                 f"buffer full: {live} rollouts buffered or in unfetched steps, batch adds "
-                f"{incoming}, max_buffered_rollouts = {rollouts.max_buffered_rollouts}"
+                f"{incoming} ({opening} opening new groups), max_buffered_rollouts = "
+                f"{rollouts.max_buffered_rollouts}; retry once trainer ranks fetch a step"
             )
 
         # Phase 2: apply.
@@ -289,6 +300,18 @@ class Scheduler:
             stale_buffered=freed,
             stale_tokens=stale_tokens,
         )
+
+    def _ranks_can_make_room(self, dropping: set[str]) -> bool:
+        """Whether trainer ranks fetching can free buffer room without further rollouts: an
+        assembled step still waits for a rank, or enough complete groups (after dropping the
+        groups in `dropping`) to assemble one. The backpressure rule refuses a batch only
+        then, so a refusal is always resolved by fetching: refused otherwise, a producer
+        retrying its batches in order would wait forever for the rollouts that complete the
+        buffered groups, which may sit behind the refused batch."""
+        if self._rollouts_in_steps:
+            return True
+        complete = sum(group_id not in dropping for group_id in self._complete)
+        return complete >= self.config.rollouts.prompts_per_step
 
     def record_rejection(self) -> None:
         """Count a batch the front-end rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
@@ -374,6 +397,26 @@ class Scheduler:
         record = replace(held.record, response_bytes=int(response_bytes))
         self.step_records.append(record)
         return record
+
+    def held_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` whose responses are stored and not yet released (a query)."""
+        return [
+            step
+            for step in steps
+            if (held := self._steps.get(step)) is not None and held.payloads is not None
+        ]
+
+    def move_step(self, step: int, responses: list[Any]) -> bool:
+        """Replace a stored step's per-rank handles with others to the same bytes (a
+        front-end moving them out of its memory into the object store). Returns False and
+        changes nothing if the step is no longer held (released in the meantime)."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is None:
+            return False
+        if len(responses) != self.config.batching.world_size:
+            raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
+        held.payloads = list(responses)
+        return True
 
     def assemble_ready_steps(self) -> list[int]:
         """Plan, materialize (with `resolve`) and store every ready step; returns them."""

@@ -180,6 +180,62 @@ def test_full_buffer_refuses_the_batch_until_ranks_fetch() -> None:
     assert ingest(scheduler, rollouts, range(8, 16)).accepted == 8
 
 
+def test_rollouts_joining_buffered_groups_are_taken_even_when_the_buffer_is_full() -> None:
+    scheduler = make_scheduler(rollouts={"max_buffered_rollouts": 12})
+    rollouts = synthetic_groups(num_groups=5, group_size=4, rng=np.random.default_rng(12))
+    ingest(scheduler, rollouts, [8, 9, 12, 13])  # half of g2 and g3
+    ingest(scheduler, rollouts, range(8))  # g0 and g1: step 0, not fetched yet
+    assert scheduler.assemble_ready_steps() == [0]
+    assert ingest(scheduler, rollouts, [10, 11]).accepted == 2  # completes g2 beyond the bound
+    with pytest.raises(BackpressureError, match="opening new groups"):
+        ingest(scheduler, rollouts, [14, 16])  # the rest of g3 with g4's first rollout
+    assert ingest(scheduler, rollouts, [14, 15]).accepted == 2  # g3 alone
+    assert scheduler.assemble_ready_steps() == [1]
+    fetch_step(scheduler, 0)
+    fetch_step(scheduler, 1)
+    assert ingest(scheduler, rollouts, range(16, 20)).accepted == 4
+
+
+def test_new_groups_are_taken_beyond_the_bound_when_no_step_waits_for_ranks() -> None:
+    scheduler = make_scheduler(rollouts={"max_buffered_rollouts": 8})
+    rollouts = synthetic_groups(num_groups=5, group_size=4, rng=np.random.default_rng(13))
+    ingest(scheduler, rollouts, [g * 4 + i for g in range(4) for i in range(2)])  # 4 half groups
+    assert scheduler.status().steps_waiting == {}  # fetching could never make room
+    assert ingest(scheduler, rollouts, [16, 2]).accepted == 2  # opens g4, adds to g0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    batch_size=st.integers(1, 7),
+    max_buffered=st.integers(8, 20),
+)
+def test_a_refused_batch_is_taken_once_ranks_fetch_so_producers_never_deadlock(
+    seed: int, batch_size: int, max_buffered: int
+) -> None:
+    scheduler = make_scheduler(rollouts={"max_buffered_rollouts": max_buffered})
+    rng = np.random.default_rng(seed)
+    rollouts = synthetic_groups(num_groups=8, group_size=4, rng=rng, max_length=60)
+    order = rng.permutation(len(rollouts))  # groups interleave across batches
+    served: list[str] = []
+
+    def ranks_fetch_every_waiting_step() -> None:
+        for step in scheduler.status().steps_waiting:
+            served.extend(check_served_step(fetch_step(scheduler, step), rollouts))
+
+    for start in range(0, len(order), batch_size):  # one producer, batches in order
+        rows = order[start : start + batch_size]
+        try:
+            ingest(scheduler, rollouts, rows)
+        except BackpressureError:
+            assert scheduler.status().steps_waiting  # a refusal that fetching can end
+            ranks_fetch_every_waiting_step()
+            ingest(scheduler, rollouts, rows)
+        scheduler.assemble_ready_steps()
+    ranks_fetch_every_waiting_step()
+    assert sorted(served) == sorted(rollouts.rollout_ids)
+
+
 def test_steps_fetched_by_every_rank_are_released_after_retained_steps() -> None:
     scheduler = make_scheduler(batching={"retained_steps": 1})
     rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(9))
