@@ -114,6 +114,12 @@ class RolloutsConfig:
     max_policy_lag: int = _f(
         4, "rollouts more than this many policy versions behind the newest seen are dropped"
     )
+    max_version_jump: int = _f(
+        16,
+        "a rollout whose policy_version is more than this many versions ahead of the newest "
+        "seen so far is rejected (INVALID_ARGUMENT), so one bogus version cannot make every "
+        "honest rollout stale; the first accepted rollout sets the baseline",
+    )
     vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
     max_buffered_rollouts: int = _f(
         200_000,
@@ -128,6 +134,7 @@ class RolloutsConfig:
         _require(self.prompts_per_step >= 1, "rollouts", "prompts_per_step", "must be >= 1")
         _require(self.group_size >= 1, "rollouts", "group_size", "must be >= 1")
         _require(self.max_policy_lag >= 0, "rollouts", "max_policy_lag", "must be >= 0")
+        _require(self.max_version_jump >= 1, "rollouts", "max_version_jump", "must be >= 1")
         _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
         _require(
             self.max_buffered_rollouts >= self.prompts_per_step * self.group_size,

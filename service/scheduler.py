@@ -151,7 +151,8 @@ class Scheduler:
 
     def ingest_batch(self, meta: BatchMeta, payload: Any) -> IngestResult:
         """Buffer a validated batch. All-or-nothing: InvalidBatchError (unknown task, group
-        over group_size or spanning two tasks) or BackpressureError leave no trace.
+        over group_size or spanning two tasks, policy_version too far ahead) or
+        BackpressureError leave no trace.
 
         Backpressure (see `RolloutsConfig.max_buffered_rollouts`): the batch is refused only
         if it opens a new group, the rollouts buffered or in unfetched steps plus the batch's
@@ -181,6 +182,7 @@ class Scheduler:
             raise rollout_error(
                 ids[row], "task_id", f"unknown task {tasks[row]!r}", reason="unknown_task"
             )
+        self._check_version_jump(meta, by_group)
         stale_groups: set[str] = set()
         incoming = opening = 0  # fresh rollouts taken; those of them that open a new group
         for group_id, rows in by_group.items():
@@ -300,6 +302,32 @@ class Scheduler:
             stale_buffered=freed,
             stale_tokens=stale_tokens,
         )
+
+    def _check_version_jump(self, meta: BatchMeta, by_group: dict[str, list[int]]) -> None:
+        """InvalidBatchError for the first fresh rollout more than `max_version_jump` versions
+        ahead of the newest version seen (of the batch's first fresh rollout, before any):
+        the newest version only grows, so one bogus version would make every honest rollout
+        stale for the rest of the run."""
+        if not by_group:
+            return
+        baseline = self._newest_version
+        if baseline < 0:
+            baseline = int(meta.policy_versions[min(rows[0] for rows in by_group.values())])
+        limit = baseline + self.config.rollouts.max_version_jump
+        ahead = np.flatnonzero(meta.policy_versions > limit).tolist()
+        if not ahead:
+            return
+        fresh = {row for rows in by_group.values() for row in rows}
+        row = next((row for row in ahead if row in fresh), None)
+        if row is not None:
+            raise rollout_error(
+                meta.rollout_ids[row],
+                "policy_version",
+                f"{int(meta.policy_versions[row])} is more than max_version_jump "
+                f"{self.config.rollouts.max_version_jump} ahead of the newest policy version "
+                f"seen, {baseline}",
+                reason="bad_policy_version",
+            )
 
     def _ranks_can_make_room(self, dropping: set[str]) -> bool:
         """Whether trainer ranks fetching can free buffer room without further rollouts: an

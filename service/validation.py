@@ -4,8 +4,8 @@ Every check runs over whole columns (no per-token Python loop) and reports the F
 offending rollout by id and field, e.g. `rollout 'r-17': field token_ids: token id 70001 at
 token 12 is outside [0, 65536)`. The gRPC servicer turns an `InvalidBatchError` into
 INVALID_ARGUMENT and rejects the batch as a whole. Checks that need the scheduler's state
-(groups that overflow `group_size` or span two tasks) live in `scheduler.py` and raise the
-same error.
+(groups that overflow `group_size` or span two tasks, a policy_version more than
+`max_version_jump` ahead of the newest seen) live in `scheduler.py` and raise the same error.
 """
 
 from __future__ import annotations

@@ -120,6 +120,41 @@ def test_a_rollout_too_far_behind_drops_its_whole_group_as_stale() -> None:
     assert scheduler.status().counters.rollouts_stale == 8
 
 
+def test_one_bogus_policy_version_is_rejected_and_cannot_make_the_run_stale() -> None:
+    scheduler = make_scheduler(rollouts={"max_version_jump": 16})
+    rng = np.random.default_rng(14)
+    honest = synthetic_groups(num_groups=2, group_size=4, rng=rng, policy_version=0)
+    bogus = synthetic_groups(
+        num_groups=1, group_size=1, rng=rng, prefix="x", policy_version=10**12, tasks=["task-0"]
+    )
+    ingest(scheduler, honest, range(3))
+    before = scheduler.status()
+    with pytest.raises(
+        InvalidBatchError,
+        match=r"rollout 'xg0-r0': field policy_version: 1000000000000 is more than "
+        r"max_version_jump 16 ahead of the newest policy version seen, 0",
+    ) as error:
+        ingest(scheduler, bogus)
+    assert error.value.reason == "bad_policy_version"
+    assert scheduler.status() == before  # the batch is rejected as a whole
+    ack = ingest(scheduler, honest, range(3, 8))
+    assert (ack.accepted, ack.stale, ack.stale_buffered) == (5, 0, 0)
+    assert scheduler.assemble_ready_steps() == [0]
+
+
+def test_the_first_rollout_sets_the_version_baseline_and_jumps_up_to_the_limit_pass() -> None:
+    scheduler = make_scheduler(rollouts={"max_version_jump": 3, "max_policy_lag": 100})
+    rollouts = synthetic_groups(num_groups=6, group_size=1, rng=np.random.default_rng(15))
+    rollouts.policy_versions[:] = [5, 9, 8, 12, 11, 14]
+    with pytest.raises(InvalidBatchError, match="rollout 'g1-r0': field policy_version: 9 "):
+        ingest(scheduler, rollouts, [0, 1])  # 9 is 4 ahead of this first rollout's 5
+    assert ingest(scheduler, rollouts, [0, 2]).newest_policy_version == 8  # 5, then 8 = 5 + 3
+    with pytest.raises(InvalidBatchError, match="rollout 'g3-r0': field policy_version: 12 "):
+        ingest(scheduler, rollouts, [3])
+    assert ingest(scheduler, rollouts, [4]).newest_policy_version == 11
+    assert ingest(scheduler, rollouts, [0, 5]).accepted == 1  # a duplicate is not checked
+
+
 def test_zero_advantage_groups_are_counted_and_dropped_when_configured() -> None:
     rng = np.random.default_rng(5)
     rollouts = synthetic_groups(num_groups=4, group_size=4, rng=rng)
