@@ -121,6 +121,14 @@ class RolloutsConfig:
         "honest rollout stale; the first accepted rollout sets the baseline",
     )
     vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
+    dedup_window_groups: int = _f(
+        100_000,
+        "closed groups (trained, stale or dropped) whose rollout ids are remembered so a "
+        "resent rollout is answered as a duplicate, oldest forgotten first; a resend of a "
+        "forgotten group is taken as new data (opens the group again). Buffered groups are "
+        "always remembered. Memory: about 130 bytes per remembered 20-character rollout id "
+        "(the default with group_size 8: about 100 MB)",
+    )
     max_buffered_rollouts: int = _f(
         200_000,
         "bound on accepted rollouts not yet fetched by every rank: while an assembled step "
@@ -136,6 +144,7 @@ class RolloutsConfig:
         _require(self.max_policy_lag >= 0, "rollouts", "max_policy_lag", "must be >= 0")
         _require(self.max_version_jump >= 1, "rollouts", "max_version_jump", "must be >= 1")
         _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
+        _require(self.dedup_window_groups >= 1, "rollouts", "dedup_window_groups", "must be >= 1")
         _require(
             self.max_buffered_rollouts >= self.prompts_per_step * self.group_size,
             "rollouts",

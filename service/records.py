@@ -131,3 +131,7 @@ class StatusSnapshot:
     counters: Counters
     last_step: StepRecord | None
     last_reports: dict[int, dict[str, float]]
+    # Idempotency memory: rollout ids remembered (buffered groups' and the remembered closed
+    # groups'), and closed groups remembered (at most `dedup_window_groups`).
+    remembered_rollout_ids: int = 0
+    remembered_closed_groups: int = 0

@@ -95,10 +95,14 @@ class Scheduler:
         self._task_index: dict[str, int] = {}
         self._task_ids: list[str] = []
         self._pass_rates = init_pass_rates(0, self._curriculum)
+        # Idempotency memory. `_seen` holds the rollout ids of every buffered group (exactly)
+        # and of the closed groups in `_closed`: group id -> (reason, its rollout ids), reason
+        # "stale" | "assembled" | "zero_advantage", in closing order and at most
+        # `dedup_window_groups` of them (oldest forgotten first), so memory stays bounded.
         self._seen: set[str] = set()
         self._open: dict[str, _Group] = {}
         self._complete: OrderedDict[str, _Group] = OrderedDict()
-        self._closed: dict[str, str] = {}  # group id -> "stale" | "assembled" | "zero_advantage"
+        self._closed: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
         self._payloads: dict[int, list] = {}  # batch key -> [handle, live rollouts]
         self._next_batch_key = 0
         self._next_arrival = 0
@@ -197,7 +201,7 @@ class Scheduler:
                         f"group {group_id!r} belongs to task {group_task!r}",
                         reason="group_overflow",
                     )
-            closed = self._closed.get(group_id)
+            closed = self._closed.get(group_id, (None,))[0]
             if closed == "stale":
                 stale_groups.add(group_id)
                 continue
@@ -256,9 +260,11 @@ class Scheduler:
         stale = accepted = accepted_tokens = 0
         completed: list[tuple[int, str]] = []  # (completing row, group id)
         for group_id, rows in by_group.items():
-            seen.update(ids[row] for row in rows)
+            fresh_ids = [ids[row] for row in rows]
+            seen.update(fresh_ids)
             tokens = sum(lengths[row] for row in rows)
-            if group_id in stale_groups:
+            if group_id in stale_groups:  # closed above or before: its entry keeps the ids
+                self._closed[group_id][1].extend(fresh_ids)
                 stale += len(rows)
                 stale_tokens += tokens
                 continue
@@ -291,6 +297,7 @@ class Scheduler:
         self.counters.rollouts_duplicate += n - fresh
         self.counters.rollouts_stale += stale
         self._complete_groups([group_id for _, group_id in sorted(completed)])
+        self._forget_old_groups()
         return IngestResult(
             accepted=accepted,
             duplicate=n - fresh,
@@ -363,7 +370,22 @@ class Scheduler:
             self._release_rows(group.rows)
             if reason == "stale":
                 self.counters.rollouts_stale += len(group.rows)
-        self._closed[group_id] = reason
+        self._close(group_id, reason, group.rows if group else [])
+
+    def _close(self, group_id: str, reason: str, rows: list[tuple]) -> None:
+        """Remember a closed group and its rollout ids (a group closed before keeps its place
+        in the window and its reason: only a stale group closes again, for late rollouts)."""
+        if group_id not in self._closed:
+            self._closed[group_id] = (reason, [])
+        self._closed[group_id][1].extend(row[3] for row in rows)
+
+    def _forget_old_groups(self) -> None:
+        """Forget the oldest closed groups beyond `dedup_window_groups`, with their rollout
+        ids: a resend of one of them is then taken as new data (the price of bounded memory).
+        Runs at the end of the calls that close groups, never between their checks."""
+        for _ in range(len(self._closed) - self.config.rollouts.dedup_window_groups):
+            _, (_, rollout_ids) = self._closed.popitem(last=False)
+            self._seen.difference_update(rollout_ids)
 
     def _complete_groups(self, group_ids: list[str]) -> None:
         """Move complete groups on: update pass rates (one vectorized call), count and
@@ -386,7 +408,7 @@ class Scheduler:
             self.counters.zero_advantage_groups += zero
             if zero and self.config.advantages.drop_zero_advantage:
                 self._release_rows(group.rows)
-                self._closed[group_id] = "zero_advantage"
+                self._close(group_id, "zero_advantage", group.rows)
                 self.counters.zero_advantage_rollouts_dropped += len(group.rows)
                 self._zero_dropped_since_step += 1
             else:
@@ -406,6 +428,7 @@ class Scheduler:
         while len(self._complete) >= per_step:
             groups = [self._complete.popitem(last=False) for _ in range(per_step)]
             work.append(self._plan(groups))
+        self._forget_old_groups()
         return work
 
     def store_step(
@@ -480,7 +503,7 @@ class Scheduler:
         )
         for group_id, group in groups:
             self._release_rows(group.rows)
-            self._closed[group_id] = "assembled"
+            self._close(group_id, "assembled", group.rows)
         kept_versions = versions[plan.kept] if plan.kept.size else versions
         record = StepRecord(
             step=step,
@@ -534,7 +557,14 @@ class Scheduler:
     # ---- trainer reports and status -------------------------------------------------
 
     def record_report(self, rank: int, report: dict[str, float]) -> None:
-        """Keep the latest report of each rank (the metrics exporter reads them)."""
+        """Keep the latest report of each rank (the metrics exporter reads them). ValueError,
+        keeping nothing, for a rank outside [0, world_size) or a negative report["step"]: a
+        stray rank must not grow the state or the metrics."""
+        world_size = self.config.batching.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"trainer report: field rank: {rank} is outside [0, {world_size})")
+        if report.get("step", 0) < 0:
+            raise ValueError(f"trainer report of rank {rank}: field step: {report['step']} < 0")
         self.last_reports[int(rank)] = dict(report)
         self.counters.trainer_reports += 1
 
@@ -558,6 +588,8 @@ class Scheduler:
             counters=Counters(**vars(self.counters)),
             last_step=self.step_records[-1] if self.step_records else None,
             last_reports={rank: dict(r) for rank, r in self.last_reports.items()},
+            remembered_rollout_ids=len(self._seen),
+            remembered_closed_groups=len(self._closed),
         )
 
     def pass_rate_estimates(self) -> np.ndarray:

@@ -61,6 +61,10 @@ def test_toml_file_overrides_only_what_it_names(tmp_path: Path) -> None:
         ({"batching": {"cost_model": "dense"}}, r"\[batching\] cost_model"),
         ({"rollouts": {"group_size": 0}}, r"\[rollouts\] group_size: must be >= 1"),
         ({"rollouts": {"max_version_jump": 0}}, r"\[rollouts\] max_version_jump: must be >= 1"),
+        (
+            {"rollouts": {"dedup_window_groups": 0}},
+            r"\[rollouts\] dedup_window_groups: must be >= 1",
+        ),
         ({"curriculum": {"estimator": "median"}}, r"\[curriculum\] estimator must be one of"),
         ({"accounting": {"gpu": "tpu"}}, r"\[accounting\] gpu: one of"),
         ({"server": 3}, r"\[server\] must be a table"),

@@ -288,6 +288,84 @@ def test_steps_fetched_by_every_rank_are_released_after_retained_steps() -> None
         scheduler.fetch_batch(0, 2)
 
 
+def run_groups_through(scheduler: Scheduler, rollouts: SyntheticRollouts, rows) -> None:
+    """Ingest `rows`, assemble what is ready and let every rank fetch it."""
+    ingest(scheduler, rollouts, rows)
+    for step in scheduler.assemble_ready_steps():
+        fetch_step(scheduler, step)
+
+
+def test_idempotency_memory_stays_bounded_over_a_long_run() -> None:
+    scheduler = make_scheduler(
+        rollouts={"prompts_per_step": 1, "group_size": 2, "dedup_window_groups": 5}
+    )
+    rollouts = synthetic_groups(
+        num_groups=150, group_size=2, rng=np.random.default_rng(16), tasks=["task-0", "task-1"]
+    )
+    for start in range(0, len(rollouts), 6):
+        run_groups_through(scheduler, rollouts, range(start, start + 5))  # leaves a half group
+        run_groups_through(scheduler, rollouts, [start + 5])
+        status = scheduler.status()
+        assert status.remembered_closed_groups <= 5
+        assert status.remembered_rollout_ids <= status.buffered_rollouts + 5 * 2
+    status = scheduler.status()
+    assert (status.remembered_closed_groups, status.remembered_rollout_ids) == (5, 10)
+    assert status.counters.rollouts_trained == 300
+
+
+def test_a_resend_is_a_duplicate_while_its_group_is_remembered_and_new_data_after() -> None:
+    scheduler = make_scheduler(
+        rollouts={"prompts_per_step": 1, "group_size": 2, "dedup_window_groups": 2}
+    )
+    rollouts = synthetic_groups(num_groups=4, group_size=2, rng=np.random.default_rng(17))
+    ingest(scheduler, rollouts, [6])  # g3 stays buffered, half complete, all along
+    run_groups_through(scheduler, rollouts, [0, 1])  # g0 trained: step 0
+    assert ingest(scheduler, rollouts, [0, 1, 6]).duplicate == 3
+    run_groups_through(scheduler, rollouts, [2, 3, 4, 5])  # g1, g2 trained: g0 forgotten
+    assert ingest(scheduler, rollouts, [4, 6]).duplicate == 2  # g2 remembered, g3 buffered
+    ack = ingest(scheduler, rollouts, [0, 1])  # the documented price of bounded memory
+    assert (ack.accepted, ack.duplicate, ack.steps_ready) == (2, 0, 1)
+
+
+def test_late_rollouts_of_a_stale_group_are_forgotten_with_it() -> None:
+    scheduler = make_scheduler(
+        rollouts={"group_size": 2, "max_policy_lag": 0, "dedup_window_groups": 1}
+    )
+    rng = np.random.default_rng(18)
+    old = synthetic_groups(num_groups=1, group_size=2, rng=rng, prefix="old", policy_version=0)
+    new = synthetic_groups(num_groups=2, group_size=2, rng=rng, prefix="new", policy_version=1)
+    ingest(scheduler, old, [0])
+    ingest(scheduler, new, [0])  # old-g0 goes stale
+    assert ingest(scheduler, old, [1]).stale == 1  # a late rollout of the stale group
+    assert scheduler.status().remembered_rollout_ids == 3
+    run_groups_through(scheduler, new, [1, 2, 3])  # step 0 closes new-g0 and new-g1
+    assert (
+        scheduler.status().remembered_closed_groups,
+        scheduler.status().remembered_rollout_ids,
+    ) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("rank", "step", "message"),
+    [
+        (2, 0, r"field rank: 2 is outside \[0, 2\)"),
+        (4_000_000_000, 0, r"field rank: 4000000000 is outside \[0, 2\)"),
+        (-1, 0, r"field rank: -1 is outside \[0, 2\)"),
+        (1, -1, r"trainer report of rank 1: field step: -1 < 0"),
+    ],
+)
+def test_a_report_from_outside_the_world_or_for_a_negative_step_is_refused(
+    rank: int, step: int, message: str
+) -> None:
+    scheduler = make_scheduler()
+    before = scheduler.status()
+    with pytest.raises(ValueError, match=message):
+        scheduler.record_report(rank, {"step": step, "loss": 0.5})
+    assert scheduler.status() == before
+    scheduler.record_report(1, {"step": 0, "loss": 0.5})
+    assert scheduler.status().last_reports == {1: {"step": 0, "loss": 0.5}}
+
+
 def test_step_metadata_is_the_global_count_and_newest_policy_version() -> None:
     scheduler = make_scheduler(rollouts={"max_policy_lag": 5})
     rng = np.random.default_rng(10)
