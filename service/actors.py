@@ -78,8 +78,13 @@ class SchedulerActor:
             return "ready", result.payload
         return ("released" if result.released else "waiting"), self._scheduler.next_step
 
-    def record_report(self, rank: int, report: dict[str, float]) -> None:
-        self._scheduler.record_report(rank, report)
+    def record_report(self, rank: int, report: dict[str, float]) -> tuple[str, Any]:
+        """("ok", None) | ("invalid", message): a rank outside the world or a negative step."""
+        try:
+            self._scheduler.record_report(rank, report)
+        except ValueError as exc:
+            return "invalid", str(exc)
+        return "ok", None
 
     def status(self) -> Any:
         return self._scheduler.status()
