@@ -9,9 +9,11 @@ Bulk data stays out of the actor's method queue: `ingest_batch` gets one call pe
 with small metadata arrays and `[ObjectRef]` of the batch's TokenColumns (wrapped in a list
 so Ray passes the reference instead of resolving it); the token data is read from the
 object store when a step is materialized, and that happens in the gRPC front-end that
-asked for the plan (`plan_ready_steps` -> materialize -> `ray.put` -> `store_step`), so
-the actor's queue only carries metadata, plans and object references. The actor keeps
-each rank's response reference until the step is released (`retained_steps`).
+asked for the plan (`plan_ready_steps` -> materialize -> `store_step`), so the actor's
+queue only carries metadata, plans and handles. The actor keeps each rank's response
+handle until the step is released (`retained_steps`): the marker of the front-end that
+holds the bytes in memory, or, once that front-end moved them out (`move_step`), an
+object reference.
 
 Expected failures come back as values, `("ok", result)` / `("invalid", message)` /
 `("backpressure", message)`, rather than as Ray-wrapped exceptions.
@@ -62,13 +64,22 @@ class SchedulerActor:
         """StepWork of every newly planned step; the caller materializes and stores it."""
         return self._scheduler.plan_ready_steps()
 
-    def store_step(self, step: int, responses: list[list], response_bytes: int) -> Any:
-        """responses[rank] = [ObjectRef of that rank's GetBatchResponse bytes]; returns the
-        step's StepRecord."""
+    def store_step(self, step: int, responses: list, response_bytes: int) -> Any:
+        """responses[rank] = that rank's handle: [ObjectRef of its GetBatchResponse bytes],
+        or the marker of the front-end holding the bytes; returns the step's StepRecord."""
         return self._scheduler.store_step(step, responses, response_bytes)
 
+    def held_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` still stored (not released)."""
+        return self._scheduler.held_steps(steps)
+
+    def move_step(self, step: int, responses: list[list]) -> bool:
+        """A front-end moved a held step's bytes into the object store: responses[rank] =
+        [ObjectRef]; False if the step was released meanwhile."""
+        return self._scheduler.move_step(step, responses)
+
     def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
-        """("ready", [ObjectRef of the response bytes]) | ("waiting", next_step) |
+        """("ready", that rank's handle, see store_step) | ("waiting", next_step) |
         ("released", next_step) | ("invalid", message)."""
         try:
             result = self._scheduler.fetch_batch(step, rank)

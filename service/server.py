@@ -31,6 +31,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field, replace
@@ -61,17 +62,19 @@ SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by
 _POLL_SECONDS = 0.25
 
 
-# Steps this front-end materialized stay in memory up to this size, newest kept: a fetch
-# served from here skips a copy out of the object store. Older steps come from Ray.
+# Steps this front-end materialized stay in its memory, and are served from there, up to
+# this size; beyond it the oldest steps the actor still holds move to the object store
+# (`move_step`) and released ones are dropped.
 _RESPONSE_CACHE_BYTES = 256 * 2**20
 
 
 class _ResponseCache:
-    """step -> every rank's response bytes, least recently stored dropped first; it also
-    remembers which ranks this front-end has served each step to."""
+    """step -> every rank's response bytes, in the order stored; it also remembers which
+    ranks this front-end has served each step to. Nothing leaves it on its own: the
+    assembler moves old steps out (`oldest_beyond`, `drop`)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self._max_bytes = max_bytes
+        self.max_bytes = max_bytes
         self._steps: OrderedDict[int, tuple[list[bytes], set[int]]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -80,9 +83,6 @@ class _ResponseCache:
         with self._lock:
             self._steps[step] = (responses, set())
             self._bytes += sum(map(len, responses))
-            while self._bytes > self._max_bytes and len(self._steps) > 1:
-                _, (dropped, _) = self._steps.popitem(last=False)
-                self._bytes -= sum(map(len, dropped))
 
     def get(self, step: int) -> list[bytes] | None:
         with self._lock:
@@ -99,6 +99,27 @@ class _ResponseCache:
                 return None
             held[1].add(rank)
             return held[0][rank]
+
+    def oldest_beyond(self) -> list[int]:
+        """Oldest steps to drop for the rest to fit in 3/4 of max_bytes (none while the
+        whole fits in max_bytes): a few large rounds, not one per step."""
+        with self._lock:
+            if self._bytes <= self.max_bytes:
+                return []
+            steps, remaining = [], self._bytes
+            for step, (responses, _) in self._steps.items():
+                if remaining <= self.max_bytes * 3 // 4:
+                    break
+                steps.append(step)
+                remaining -= sum(map(len, responses))
+            return steps
+
+    def drop(self, steps: list[int]) -> None:
+        with self._lock:
+            for step in steps:
+                held = self._steps.pop(step, None)
+                if held is not None:
+                    self._bytes -= sum(map(len, held[0]))
 
 
 def _unavailable_when_ray_fails(handler):
@@ -139,6 +160,8 @@ class SidecarServicer:
         self._newest_stored = -1  # the newest step this front-end stored
         self._stopping = False
         self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
+        # The handle the actor keeps for a step whose bytes are in this front-end's memory.
+        self._marker = ("front-end", uuid.uuid4().hex)
         self._steps_ready = threading.Event()  # set by ingest: the actor has a step to plan
         self._assembler: threading.Thread | None = None  # started by the first ready step
         self._assembler_lock = threading.Lock()
@@ -240,18 +263,33 @@ class SidecarServicer:
             handles = list(work.payloads.values())  # each [ObjectRef of TokenColumns]
             columns = dict(zip(map(id, handles), ray.get([h[0] for h in handles]), strict=True))
             responses = materialize_work(work, resolve=lambda handle, c=columns: c[id(handle)])
-            refs = [[ray.put(response)] for response in responses]
             size = sum(map(len, responses))
             # The record store_step returns, known without waiting; reported before any
             # fetch can see the step.
             record = replace(work.record, response_bytes=size)
             notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
-            self.actor.store_step.remote(work.step, refs, size)
+            self.actor.store_step.remote(work.step, [self._marker] * len(responses), size)
             self._responses.put(work.step, responses)
             with self._steps_changed:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, work.step)
                 self._steps_changed.notify_all()
+        self._move_out_old_steps()
+
+    def _move_out_old_steps(self) -> None:
+        """Keep this front-end's memory bounded: of the oldest steps beyond the cache size,
+        put those the actor still holds into the object store and hand it the references
+        (before dropping them here, so a fetch answered with the marker finds the bytes on
+        its next ask); released ones are simply dropped."""
+        oldest = self._responses.oldest_beyond()
+        if not oldest:
+            return
+        held = set(ray.get(self.actor.held_steps.remote(oldest)))
+        for step in oldest:
+            responses = self._responses.get(step)
+            if step in held and responses is not None:
+                self.actor.move_step.remote(step, [[ray.put(r)] for r in responses])
+        self._responses.drop(oldest)
 
     # ---- TaskSampling ---------------------------------------------------------------
 
@@ -302,10 +340,18 @@ class SidecarServicer:
             ahead = local and step > self._newest_stored and not timed_out
             kind, value = ("waiting", None) if ahead else self._ask_fetch(step, rank)
             if kind == "ready":
-                cached = self._responses.get(step)
-                response = cached[rank] if cached is not None else ray.get(value[0])
-                notify(self.events, "on_served", step, rank, response)
-                return response
+                response = self._stored_response(step, rank, value)
+                if response is None:  # moved out meanwhile: the next answer has the reference
+                    kind, value = self._ask_fetch(step, rank)
+                    response = self._stored_response(step, rank, value) if kind == "ready" else None
+                if response is not None:
+                    notify(self.events, "on_served", step, rank, response)
+                    return response
+                if kind == "ready":
+                    context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"step {step} is held by another front-end of this sidecar",
+                    )
             if kind == "invalid":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
             if kind == "released":
@@ -325,6 +371,17 @@ class SidecarServicer:
 
     def _ask_fetch(self, step: int, rank: int) -> tuple[str, object]:
         return ray.get(self.actor.fetch_batch.remote(step, rank))
+
+    def _stored_response(self, step: int, rank: int, handle) -> bytes | None:
+        """The bytes behind the actor's handle of (step, rank): from this front-end's
+        memory, or the object store; None if the handle is this front-end's marker but the
+        step has left its memory (moved out: ask again) or another front-end's marker."""
+        cached = self._responses.get(step)
+        if cached is not None:
+            return cached[rank]
+        if isinstance(handle, list):  # [ObjectRef]
+            return ray.get(handle[0])
+        return None
 
     @_unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
