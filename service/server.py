@@ -11,11 +11,13 @@ Per rollout batch the handler thread decodes the Arrow payload and validates it
 arrays and the object reference; the ack answers from its result. When that completes a
 step, the handler wakes this front-end's assembler thread and returns: the assembler asks
 the actor for the step's plan, materializes every rank's response (the bulk work, here and
-not in the actor), `ray.put`s them and hands the actor the references without waiting
-(`store_step`). So the actor's Python loop only sees metadata, ingest and serving scale
-with front-end threads, and a producer's ack never waits for step assembly. GetBatch
-answers with the stored response bytes as they are (a pass-through serializer), so a
-re-fetch is byte-identical.
+not in the actor), keeps the bytes in its memory and hands the actor this front-end's
+marker as the step's handle without waiting (`store_step`). Beyond `_RESPONSE_CACHE_BYTES`
+the oldest steps the actor still holds are `ray.put` and their references replace the
+marker (`move_step`), so memory stays bounded and every held step stays servable. So the
+actor's Python loop only sees metadata, ingest and serving scale with front-end threads,
+and a producer's ack never waits for step assembly. GetBatch answers with the stored
+response bytes as they are (a pass-through serializer), so a re-fetch is byte-identical.
 
 GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
 the step; if it is still not assembled, answer OK with `ready = false` (poll again). A
