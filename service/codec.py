@@ -205,8 +205,14 @@ def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(payload))
         table = reader.read_all()
+        # Full validation (offsets monotonic and in range, UTF-8) before any buffer is read:
+        # a crafted payload must be an INVALID_ARGUMENT, never an out-of-bounds read.
+        table.validate(full=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
         raise ValueError(f"arrow_ipc: not a readable Arrow IPC stream ({exc})") from exc
+    duplicated = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+    if duplicated:
+        raise ValueError(f"arrow_ipc: column(s) {duplicated} appear more than once")
     rollout_ids = _strings(table, "rollout_id", None)
     token_ids, offsets = _list(table, "token_ids", rollout_ids, pa.int32())
     action_mask, mask_offsets = _list(table, "action_mask", rollout_ids, pa.uint8())

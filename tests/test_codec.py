@@ -169,3 +169,40 @@ def test_hand_written_varints_match_protobuf(value: int) -> None:
 
     # RolloutBatch.sequence is field 2, varint wire type: tag byte 0x10, then the varint.
     assert b"\x10" + _varint(value) == pb.RolloutBatch(sequence=value).SerializeToString()
+
+
+def _batch_with_rollout_id_column(rollout_id_column, n: int) -> bytes:
+    columns = dict(
+        rollout_id=rollout_id_column,
+        task_id=pa.array(["t"] * n),
+        group_id=pa.array(["g"] * n),
+        policy_version=pa.array([0] * n, pa.int64()),
+        reward=pa.array([1.0] * n),
+        token_ids=pa.array([[0, 1]] * n, pa.list_(pa.int32())),
+        action_mask=pa.array([[0, 1]] * n, pa.list_(pa.uint8())),
+        sampler_logprobs=pa.array([[0, -1]] * n, pa.list_(pa.float32())),
+    )
+    batch = pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def test_crafted_string_offsets_are_a_value_error_not_an_out_of_bounds_read():
+    # Offsets that jump far past the data but end in range pass Arrow's cheap checks.
+    offsets = np.array([0, 2_000_000_000, 4], dtype=np.int32)
+    ids = pa.StringArray.from_buffers(2, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"r0r1"))
+    with pytest.raises(ValueError, match="arrow_ipc"):
+        decode_rollout_batch(_batch_with_rollout_id_column(ids, 2))
+
+
+def test_a_duplicated_column_is_a_value_error_naming_it():
+    payload = _batch_with_rollout_id_column(pa.array(["a", "b"]), 2)
+    table = pa.ipc.open_stream(payload).read_all()
+    doubled = table.append_column("reward", pa.array([0.0, 1.0]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, doubled.schema) as writer:
+        writer.write_table(doubled)
+    with pytest.raises(ValueError, match="'reward'"):
+        decode_rollout_batch(sink.getvalue().to_pybytes())
