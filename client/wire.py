@@ -9,8 +9,6 @@ still goes through the generated classes. Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
 
@@ -47,46 +45,46 @@ def read_varint(data: memoryview, position: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
-def fields(data: memoryview) -> Iterator[tuple[int, int, int, int, int | memoryview]]:
-    """(field number, wire type, start, end, value) for every field in order; [start, end)
-    spans the field with its tag; value is an int for varint/fixed fields, a view for
-    length-delimited ones. ValueError on truncated input and on the group wire types."""
-    position = 0
-    while position < len(data):
-        start = position
-        tag, position = read_varint(data, position)
-        field, wire_type = tag >> 3, tag & 7
-        if field == 0:
-            raise ValueError("field number 0")
-        if wire_type == VARINT:
-            value, position = read_varint(data, position)
-        elif wire_type in (FIXED64, FIXED32):
-            size = 8 if wire_type == FIXED64 else 4
-            if position + size > len(data):
-                raise ValueError("truncated fixed-width field")
-            value = int.from_bytes(data[position : position + size], "little")
-            position += size
-        elif wire_type == LENGTH_DELIMITED:
-            size, position = read_varint(data, position)
-            if position + size > len(data):
-                raise ValueError("truncated length-delimited field")
-            value = data[position : position + size]
-            position += size
-        else:
-            raise ValueError(f"unsupported wire type {wire_type}")
-        yield field, wire_type, start, position, value
-
-
 def split_field(data: memoryview, field_number: int) -> tuple[list[memoryview], bytes]:
     """(the values of every occurrence of length-delimited field `field_number`, as views,
     in order; every other field re-serialized in order, which parses to the same message
-    minus that field). ValueError if the field occurs with another wire type."""
+    minus that field). ValueError on truncated input, group wire types, or the field with
+    another wire type. Written for speed: it runs once per field of every served microbatch
+    (hundreds of rollout ids each)."""
     values, others = [], []
-    for field, wire_type, start, end, value in fields(data):
-        if field != field_number:
-            others.append(data[start:end])
-        elif wire_type != LENGTH_DELIMITED:
-            raise ValueError(f"field {field_number} with wire type {wire_type}")
+    kept_from = position = 0  # others gets data[kept_from:start] at each occurrence
+    size = len(data)
+    while position < size:
+        start = position
+        tag = data[position]
+        if tag < 0x80:  # the common one-byte tag, without a call
+            position += 1
         else:
-            values.append(value)
+            tag, position = read_varint(data, position)
+        field, wire_type = tag >> 3, tag & 7
+        if field == 0:
+            raise ValueError("field number 0")
+        if wire_type == LENGTH_DELIMITED:
+            if position < size and data[position] < 0x80:
+                length, position = data[position], position + 1
+            else:
+                length, position = read_varint(data, position)
+            if position + length > size:
+                raise ValueError("truncated length-delimited field")
+            if field == field_number:
+                others.append(data[kept_from:start])
+                values.append(data[position : position + length])
+                kept_from = position + length
+            position += length
+        elif field == field_number:
+            raise ValueError(f"field {field_number} with wire type {wire_type}")
+        elif wire_type == VARINT:
+            _, position = read_varint(data, position)
+        elif wire_type in (FIXED64, FIXED32):
+            position += 8 if wire_type == FIXED64 else 4
+            if position > size:
+                raise ValueError("truncated fixed-width field")
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+    others.append(data[kept_from:])
     return values, b"".join(others)

@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.client.arrow_codec import decode_step, parse_get_batch_response
-from rlfeed.client.wire import fields, read_varint
+from rlfeed.client.wire import read_varint, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import StepConfig, StepRollouts, assemble_step
 from rlfeed.service.codec import decode_rollout_batch, parse_rollout_batch
@@ -65,7 +65,7 @@ def test_malformed_bytes_raise_what_the_generated_parse_raises(wire: bytes) -> N
 
 def test_truncated_fields_are_refused_by_the_walk() -> None:
     with pytest.raises(ValueError, match="truncated"):
-        list(fields(memoryview(b"\x0a\x05ab")))
+        split_field(memoryview(b"\x0a\x05ab"), 1)
 
 
 def served_step(world_size: int = 2) -> list[bytes]:
@@ -134,3 +134,27 @@ def test_serialized_rollout_batch_is_byte_identical_to_the_generated_one(sequenc
         )  # fmt: skip
     generated = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
     assert encode_rollout_batch(rows, sequence) == generated.SerializeToString()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrow=st.lists(st.binary(max_size=400), max_size=3),
+    ids=st.lists(st.text(max_size=200), max_size=40),
+    cu_seqlens=st.lists(st.integers(0, 2**31 - 1), max_size=30),
+    max_seqlen=st.integers(-(2**31), 2**31 - 1),
+    num_tokens=st.integers(0, 2**32 - 1),
+)
+def test_splitting_out_a_field_leaves_the_rest_of_the_message(
+    arrow, ids, cu_seqlens, max_seqlen, num_tokens
+) -> None:
+    rest = pb.Microbatch(
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, rollout_ids=ids, num_tokens=num_tokens
+    ).SerializeToString()
+    # arrow_ipc before, between (several occurrences: the last wins) and after the rest
+    pieces = [pb.Microbatch(arrow_ipc=a).SerializeToString() for a in arrow]
+    wire = b"".join([*pieces[:1], rest, *pieces[1:]])
+    values, others = split_field(memoryview(wire), 1)
+    message = pb.Microbatch.FromString(wire)
+    assert (bytes(values[-1]) if values else b"") == message.arrow_ipc
+    message.ClearField("arrow_ipc")
+    assert pb.Microbatch.FromString(others) == message
