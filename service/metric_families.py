@@ -29,7 +29,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "token_out_of_range",  # token id outside [0, vocab_size)
     "unknown_task",  # task id not registered
     "bad_action_mask",  # action_mask[0] == 1, or a value other than 0/1
-    "bad_policy_version",  # negative policy_version
+    "bad_policy_version",  # negative, or more than max_version_jump ahead of the newest seen
     "duplicate_in_batch",  # one rollout id twice in a batch
     "group_overflow",  # more than group_size rollouts in a group, or a group on two tasks
     "buffer_full",  # RESOURCE_EXHAUSTED: max_buffered_rollouts reached

@@ -118,6 +118,7 @@ _REASON_PHRASES: tuple[tuple[str, str], ...] = (
     ("empty sequence", "length_mismatch"),
     ("field action_mask", "bad_action_mask"),
     ("is negative; versions", "bad_policy_version"),
+    ("ahead of the newest policy version", "bad_policy_version"),
     ("group_size", "group_overflow"),
     ("belongs to task", "group_overflow"),
     ("arrow_ipc", "malformed"),

@@ -456,6 +456,8 @@ def _set(name, row, value):
         ("malformed", _set("rollout_ids", 2, "")),
         ("bad_action_mask", lambda rollouts: rollouts.action_mask[5].__setitem__(0, 1)),
         ("bad_policy_version", _set("policy_versions", 6, -1)),
+        # the first rollout sets the baseline; one far ahead of it is refused
+        ("bad_policy_version", _set("policy_versions", 6, 10**12)),
     ],
 )
 def test_reject_reason_names_what_the_sidecars_own_checks_found(expected, mutate):
