@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 
@@ -62,6 +62,7 @@ SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
 # signal (another front-end may have assembled it).
 _POLL_SECONDS = 0.25
+ASSEMBLY_RETRY_SECONDS = 1.0  # after a failed step materialization (the step is kept)
 
 
 # Steps this front-end materialized stay in its memory, and are served from there, up to
@@ -165,6 +166,9 @@ class SidecarServicer:
         # The handle the actor keeps for a step whose bytes are in this front-end's memory.
         self._marker = ("front-end", uuid.uuid4().hex)
         self._steps_ready = threading.Event()  # set by ingest: the actor has a step to plan
+        # Steps the actor planned (and so removed from its buffer) that are not stored yet:
+        # kept until stored, so a failed materialization is retried, never lost.
+        self._unstored: deque = deque()
         self._assembler: threading.Thread | None = None  # started by the first ready step
         self._assembler_lock = threading.Lock()
 
@@ -250,7 +254,9 @@ class SidecarServicer:
                 self._assemble()
             except Exception:  # a dead actor surfaces on the next handler call too
                 if not self._stopping:
-                    _log.exception("rlfeed: step assembly failed")
+                    _log.exception("rlfeed: step assembly failed; retrying in 1 s")
+                    time.sleep(ASSEMBLY_RETRY_SECONDS)
+                    self._steps_ready.set()
 
     def _assemble(self) -> None:
         """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
@@ -261,7 +267,9 @@ class SidecarServicer:
         submitted, and the actor runs one caller's calls in submission order, so any fetch
         this front-end sends for the step reaches the actor after the step."""
         planned_at = time.time()
-        for work in ray.get(self.actor.plan_ready_steps.remote()):
+        self._unstored.extend(ray.get(self.actor.plan_ready_steps.remote()))
+        while self._unstored:
+            work = self._unstored[0]
             handles = list(work.payloads.values())  # each [ObjectRef of TokenColumns]
             columns = dict(zip(map(id, handles), ray.get([h[0] for h in handles]), strict=True))
             responses = materialize_work(work, resolve=lambda handle, c=columns: c[id(handle)])
@@ -276,6 +284,7 @@ class SidecarServicer:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, work.step)
                 self._steps_changed.notify_all()
+            self._unstored.popleft()
         self._move_out_old_steps()
 
     def _move_out_old_steps(self) -> None:
@@ -394,7 +403,9 @@ class SidecarServicer:
             "tokens_per_second": request.tokens_per_second,
             "step_seconds": request.step_seconds,
         }
-        ray.get(self.actor.record_report.remote(int(request.rank), report))
+        kind, message = ray.get(self.actor.record_report.remote(int(request.rank), report))
+        if kind == "invalid":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         notify(self.events, "on_trainer_report", int(request.rank), report)
         return pb.TrainerReportAck()
 

@@ -353,6 +353,10 @@ def test_health_reflection_sampling_and_trainer_reports(make_sidecar, client_for
         pb.TrainerReport(step=3, rank=0, loss=0.25, ratio_outlier_share=0.0, tokens_per_second=9e3),
         timeout=10,
     )
+    with pytest.raises(grpc.RpcError) as error:
+        client.batches.ReportTrainerMetrics(pb.TrainerReport(step=3, rank=4_000_000), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "field rank" in error.value.details()
     status = client.get_status()
     assert status.tasks_total == 3 and status.tasks_inside_filter == 3
     assert status.counters.tasks_requested == 2 and status.counters.trainer_reports == 1
@@ -457,3 +461,30 @@ def test_event_hooks_see_ingest_rejects_steps_fetches_samples_and_reports(
     # The ack does not wait for the step's assembly: these two may come in either order.
     assert sorted(calls[2:4]) == [("ingest", 8, tokens), ("step", 0, 8, 1)]
     assert calls[4:] == [("served", 0, 0), ("report", 0, 1.5)]
+
+
+def test_a_failed_step_materialization_is_retried_not_lost(
+    make_sidecar, client_for, monkeypatch
+) -> None:
+    from rlfeed.service import server
+
+    real = server.materialize_work
+    failures = []
+
+    def fail_once(work, resolve):
+        if not failures:
+            failures.append(work.step)
+            raise MemoryError("injected: materializing this step failed once")
+        return real(work, resolve)
+
+    monkeypatch.setattr(server, "materialize_work", fail_once)
+    monkeypatch.setattr(server, "ASSEMBLY_RETRY_SECONDS", 0.05)
+    sidecar = make_sidecar(rollouts=GROUPS)
+    client = client_for(sidecar)
+    rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(9))
+    _register(client, rollouts)
+    client.submit(rollouts)
+    served = check_served_step(client.step_bytes(0, 1), rollouts)
+    served += check_served_step(client.step_bytes(1, 1), rollouts)
+    assert failures == [0]  # step 0 failed once, was retried, and nothing was lost
+    assert sorted(served) == sorted(rollouts.rollout_ids)
