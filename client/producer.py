@@ -41,6 +41,9 @@ from rlfeed.client.transport import (
 )
 from rlfeed.proto import rlfeed_pb2 as pb
 
+# A sidecar restarting or briefly overloaded; re-sending the same batch is idempotent.
+_TRANSIENT_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+
 
 class RolloutWriter:
     """Buffered, backpressured rollout submission to one sidecar.
@@ -52,6 +55,9 @@ class RolloutWriter:
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
     retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
+    retry_unavailable_s: how long a batch is re-sent while the sidecar is UNAVAILABLE (or
+      the call times out) before the error surfaces with the batch's `rollout_ids`.
+      Re-sending is safe: rollout ids are idempotency keys, so nothing counts twice.
     max_in_flight: batches submitted at once. 1 keeps this writer's batches in write
       order at the sidecar; more overlaps one batch's round trip with the next ones (the
       sidecar may then see them in another order; acks still come back in batch order).
@@ -67,6 +73,7 @@ class RolloutWriter:
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
+        retry_unavailable_s: float = 30.0,
         max_in_flight: int = 1,
     ) -> None:
         if max_batch_rollouts < 1:
@@ -87,6 +94,7 @@ class RolloutWriter:
         self.on_full = on_full
         self.block_timeout_s = block_timeout_s
         self.retry_backoff_s = retry_backoff_s
+        self.retry_unavailable_s = retry_unavailable_s
         self.max_in_flight = max_in_flight
 
         self._pending = RolloutColumns.empty()
@@ -279,6 +287,7 @@ class RolloutWriter:
             batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
             send = lambda: self._transport.submit(batch)  # noqa: E731
         backoff = self.retry_backoff_s
+        give_up_at = time.monotonic() + self.retry_unavailable_s
         while True:
             try:
                 return send(), None
@@ -288,4 +297,9 @@ class RolloutWriter:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
             except SidecarError as exc:
+                if exc.code in _TRANSIENT_CODES and time.monotonic() < give_up_at:
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
                 return None, exc

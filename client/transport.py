@@ -22,7 +22,10 @@ from rlfeed.proto import rlfeed_pb2 as pb
 
 
 class SidecarError(RuntimeError):
-    """A call to the sidecar failed; `code` is the gRPC status name (e.g. 'UNAVAILABLE')."""
+    """A call to the sidecar failed; `code` is the gRPC status name (e.g. 'UNAVAILABLE').
+    Raised by a `RolloutWriter`, `rollout_ids` names the batch that was not delivered."""
+
+    rollout_ids: tuple[str, ...] = ()
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
 from rlfeed.client.producer import RolloutWriter
-from rlfeed.client.transport import BufferFullError, InProcessTransport, InvalidRolloutsError
+from rlfeed.client.transport import (
+    BufferFullError,
+    InProcessTransport,
+    InvalidRolloutsError,
+    SidecarError,
+)
 from rlfeed.service.codec import decode_rollout_batch
 from rlfeed.service.config import config_from_dict
 
@@ -224,6 +229,43 @@ def test_blocking_write_gives_up_after_block_timeout(recording):
     assert time.monotonic() - started < 2
     recording.gate.set()
     writer.close()
+
+
+class Flaky(Recording):
+    """Answers UNAVAILABLE `outages` times, after delivering the batch once (the ack was lost)."""
+
+    def __init__(self, inner, outages: int) -> None:
+        super().__init__(inner)
+        self.outages = outages
+        inner.register_tasks(["t0"])
+
+    def submit(self, batch):
+        if self.outages:
+            self.outages -= 1
+            self.inner.submit(batch)  # delivered, but the answer never came back
+            raise SidecarError("UNAVAILABLE", "connection reset")
+        return super().submit(batch)
+
+
+def test_an_unavailable_sidecar_is_retried_and_nothing_counts_twice():
+    flaky = Flaky(make_transport(), outages=3)
+    with RolloutWriter(flaky, max_batch_rollouts=4, retry_backoff_s=0.001) as writer:
+        for i in range(4):
+            writer.write(**rollout(i))
+    status = flaky.status()
+    assert flaky.outages == 0
+    assert status.counters.rollouts_accepted == 4  # the re-sent batch was a duplicate
+
+
+def test_a_lasting_outage_surfaces_with_the_rollout_ids_to_resend():
+    flaky = Flaky(make_transport(), outages=10**6)
+    writer = RolloutWriter(flaky, max_batch_rollouts=2, retry_unavailable_s=0.05)
+    writer.write(**rollout(0))
+    writer.write(**rollout(1))
+    with pytest.raises(SidecarError) as error:
+        writer.flush(timeout_s=10)
+    assert error.value.code == "UNAVAILABLE"
+    assert error.value.rollout_ids == ("r0", "r1")
 
 
 def test_resource_exhausted_is_retried_until_accepted(recording):
