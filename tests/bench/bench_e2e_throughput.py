@@ -1,30 +1,38 @@
 """End-to-end throughput: producers submit, trainer ranks pull, next to a bare gRPC stream.
 
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
-      [--producers 2] [--rollouts N] [--stages]
-Cost: about a minute on 2 cores (Ray start-up included), both cases.
+      [--producers 2] [--in-flight 1] [--rollouts N] [--repeats 1] [--stages]
+Cost: about a minute on 2 cores (Ray start-up included), both cases, one repeat; each
+further repeat about 20 s per case.
 
-What runs, all on loopback in one invocation:
+What runs, all on loopback in one invocation, per repeat:
 
-1. **Raw baseline.** A trivial gRPC service (generic handlers, bytes in and out, no
-   parsing) in this process. A client process streams the producers' exact Arrow payloads
-   to a sink (client streaming) and receives from a source (server streaming) as many
-   bytes, in messages of the same sizes, as the trainer ranks received end to end. Raw
-   time = both transfers, one after the other.
-2. **End to end.** `start_server` on an embedded local Ray (the real sidecar). `--producers`
+1. **End to end.** `start_server` on an embedded local Ray (the real sidecar). `--producers`
    processes submit pre-generated complete groups with `RolloutWriter` (generation is
-   outside the timed region); two trainer-rank processes iterate `BatchLoader` over every
-   step and read each microbatch's loss mask (no model). Wall time runs from the start
-   signal to the last rank's last step.
+   outside the timed region; each keeps `--in-flight` batches in flight); two trainer-rank
+   processes iterate `BatchLoader` over every step and read each microbatch's loss mask (no
+   model). Wall time runs from the start signal to the last rank's last step. The ranks
+   import torch and set one torch thread before the start signal: a trainer has torch
+   loaded long before its first step, and OpenMP workers spinning after each mask sum
+   would take the cores the sidecar and producers share on a small machine.
+2. **Raw baseline**, right after, so both see the same (shared, noisy) machine. A trivial
+   gRPC service (generic handlers, bytes in and out, no parsing) in this process; a client
+   process streams the producers' exact Arrow payloads to a sink (client streaming), then
+   receives from a source (server streaming) messages of exactly the sizes the sidecar
+   sent to the ranks (counted where they are sent, in the sidecar's `on_served` hook, so
+   the ranks' timed loop does no measuring). Raw time = both transfers, one after the
+   other.
 
-Reported: rollouts/s and tokens/s end to end; bytes moved end to end (ingest payloads +
-served responses) per second against the raw stream carrying the same bytes, and the
-ratio. `--stages` first times each stage alone, in one process on one step of the case's
-data (client encode, server decode + validate, ray.put/get of the columns, step assembly
-and encoding, client decode), to show where the end-to-end time goes. Targets: >= 50% of
-the raw bytes rate for 8k-token rollouts (`long`), >= 20,000
-rollouts/s for 100-token rollouts (`short`). To see where the time goes, run it under a
-sampling profiler that follows every process and thread, e.g.
+Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
+policy); bytes moved = ingest payloads + served responses, each counted once, per second
+end to end and for the raw stream carrying the same bytes; ratio = raw seconds / end-to-end
+seconds (= e2e bytes rate / raw bytes rate). With `--repeats N` the median ratio and
+rollouts/s decide the targets: >= 50% of the raw bytes rate for 8k-token rollouts (`long`),
+>= 20,000 rollouts/s for 100-token rollouts (`short`). `--stages` first times each stage
+alone, in one process on one step of the case's data (client encode, server decode +
+validate, ray.put/get of the columns, plan + materialize + encode, client decode), to show
+where the end-to-end time goes. To see more, run it under a sampling profiler that follows
+every process and thread, e.g.
 `py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`.
 """
 
@@ -302,9 +310,13 @@ def _best(function, repeats: int = 3) -> float:
 def run_stages(case: Case) -> None:
     """Seconds per MiB of ingest payload for each stage of one step, each timed alone."""
     import ray
-    from rlfeed.client.arrow_codec import RolloutColumns, decode_step, encode_rollouts
-    from rlfeed.proto import rlfeed_pb2 as pb
-    from rlfeed.service.codec import decode_rollout_batch
+    from rlfeed.client.arrow_codec import (
+        RolloutColumns,
+        decode_step,
+        encode_rollout_batch,
+        parse_get_batch_response,
+    )
+    from rlfeed.service.codec import decode_rollout_batch, parse_rollout_batch
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.materialize import materialize_work
     from rlfeed.service.scheduler import BatchMeta, Scheduler
@@ -322,11 +334,11 @@ def run_stages(case: Case) -> None:
 
     def encode_all() -> list[bytes]:
         out = []
-        for batch in batches:
+        for sequence, batch in enumerate(batches):
             columns = RolloutColumns.empty()
             for row in batch:
                 columns.append(**row)
-            out.append(encode_rollouts(columns))
+            out.append(encode_rollout_batch(columns, sequence))  # what RolloutWriter sends
         return out
 
     wire = encode_all()
@@ -334,8 +346,8 @@ def run_stages(case: Case) -> None:
 
     def decode_validate():
         out = []
-        for payload in wire:
-            arrays = decode_rollout_batch(payload)
+        for request in wire:
+            arrays = decode_rollout_batch(parse_rollout_batch(request).arrow_ipc)
             validate_rollout_batch(arrays, token_budget=case.token_budget)
             out.append((BatchMeta.from_arrays(arrays), arrays.columns))
         return out
@@ -355,7 +367,7 @@ def run_stages(case: Case) -> None:
 
     def client_decode():
         for payload in responses:
-            decode_step(pb.GetBatchResponse.FromString(payload))
+            decode_step(parse_get_batch_response(payload))  # what BatchLoader does
 
     timings = {
         "client: rollouts -> Arrow batches (RolloutColumns + encode)": _best(encode_all),
@@ -368,12 +380,9 @@ def run_stages(case: Case) -> None:
         refs = [ray.put(c) for c in columns]
         timings["server: ray.get of the columns"] = _best(lambda: ray.get(refs))
         timings["server: plan + materialize + encode all ranks"] = _best(assemble)
-        timings["server: ray.put of the responses"] = _best(lambda: [ray.put(r) for r in responses])
-        response_refs = [ray.put(r) for r in responses]
-        timings["server: ray.get of the responses"] = _best(lambda: ray.get(response_refs))
     finally:
         ray.shutdown()
-    timings["client: parse GetBatchResponse + decode_step"] = _best(client_decode)
+    timings["client: parse GetBatchResponse in place + decode_step"] = _best(client_decode)
     print(
         f"  stages, one step ({per_step} rollouts, {mib:.1f} MiB in, {served_mib:.1f} MiB "
         "out), each alone, best of 3:"
