@@ -23,23 +23,11 @@ import numpy as np
 import pyarrow as pa
 from rlfeed.client.wire import encode_varint, length_delimited, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: producers never pay for it
     import torch
 
-INGEST_SCHEMA = pa.schema(
-    [
-        ("rollout_id", pa.string()),
-        ("task_id", pa.string()),
-        ("group_id", pa.string()),
-        ("policy_version", pa.int64()),
-        ("reward", pa.float64()),
-        ("token_ids", pa.list_(pa.int32())),
-        ("action_mask", pa.list_(pa.uint8())),
-        ("sampler_logprobs", pa.list_(pa.float32())),
-    ]
-)
-"""The `RolloutBatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
 
 TOKEN_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
 _TOKEN_DTYPES = {"token_ids": np.int32, "action_mask": np.uint8, "sampler_logprobs": np.float32}
@@ -181,7 +169,7 @@ def _rollout_stream_pieces(rows: RolloutColumns) -> tuple[list, int]:
         pa.array(rows.reward, pa.float64()),
         *(_list_array(getattr(rows, n), offsets, _TOKEN_DTYPES[n]) for n in TOKEN_COLUMNS),
     ]
-    return ipc_stream_pieces(pa.RecordBatch.from_arrays(columns, schema=INGEST_SCHEMA))
+    return ipc_stream_pieces(pa.RecordBatch.from_arrays(columns, schema=ROLLOUT_SCHEMA))
 
 
 @dataclass(frozen=True)
@@ -219,15 +207,7 @@ class MicrobatchTensors:
         return int(self.loss_mask.sum())
 
 
-MICROBATCH_COLUMNS = {
-    "input_ids": pa.int32(),
-    "position_ids": pa.int32(),
-    "target_ids": pa.int32(),
-    "loss_mask": pa.uint8(),
-    "sampler_logprobs": pa.float32(),
-    "advantages": pa.float32(),
-}
-"""The served `Microbatch.arrow_ipc` columns, as documented in `proto/rlfeed.proto`."""
+MICROBATCH_COLUMNS = {field.name: field.type for field in MICROBATCH_SCHEMA}
 
 _WIDENED = {"position_ids": np.int64}  # what Hugging Face models take; the rest stay as served
 

@@ -27,37 +27,15 @@ from rlfeed.client.arrow_codec import ipc_stream_pieces
 from rlfeed.client.wire import encode_varint as _varint
 from rlfeed.client.wire import split_field
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 
 if TYPE_CHECKING:  # records.py imports this module; only the annotations need these
     from rlfeed.service.config import SidecarConfig
     from rlfeed.service.records import StatusSnapshot, StepRecord
 
-ROLLOUT_SCHEMA = pa.schema(
-    [
-        ("rollout_id", pa.string()),
-        ("task_id", pa.string()),
-        ("group_id", pa.string()),
-        ("policy_version", pa.int64()),
-        ("reward", pa.float64()),
-        ("token_ids", pa.list_(pa.int32())),
-        ("action_mask", pa.list_(pa.uint8())),
-        ("sampler_logprobs", pa.list_(pa.float32())),
-    ]
-)
-"""The documented columns of `RolloutBatch.arrow_ipc` (string/list may also be large_*)."""
-
-MICROBATCH_SCHEMA = pa.schema(
-    [
-        ("input_ids", pa.int32()),
-        ("position_ids", pa.int32()),
-        ("target_ids", pa.int32()),
-        ("loss_mask", pa.uint8()),
-        ("sampler_logprobs", pa.float32()),
-        ("advantages", pa.float32()),
-    ]
-)
-"""The columns of `Microbatch.arrow_ipc`, one row per token."""
+# ROLLOUT_SCHEMA (string/list columns may also arrive as large_*) and MICROBATCH_SCHEMA
+# come from rlfeed.proto.arrow_schemas.
 
 _LIST_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
 

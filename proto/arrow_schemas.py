@@ -1,0 +1,33 @@
+"""The Arrow schemas of the two bulk payloads in `rlfeed.proto`, defined once.
+
+`rlfeed.proto` documents them for clients in any language; the Python producer, the
+server's codec and the batch loader all take them from here so the three cannot drift.
+"""
+
+import pyarrow as pa
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("policy_version", pa.int64()),
+        ("reward", pa.float64()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("action_mask", pa.list_(pa.uint8())),
+        ("sampler_logprobs", pa.list_(pa.float32())),
+    ]
+)
+"""`RolloutBatch.arrow_ipc`: one row per rollout; `token_ids` offsets are its cu_seqlens."""
+
+MICROBATCH_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.int32()),
+        ("position_ids", pa.int32()),
+        ("target_ids", pa.int32()),
+        ("loss_mask", pa.uint8()),
+        ("sampler_logprobs", pa.float32()),
+        ("advantages", pa.float32()),
+    ]
+)
+"""`Microbatch.arrow_ipc`: one row per token of a packed row (next-token layout)."""
