@@ -20,6 +20,13 @@ import argparse
 import json
 import sys
 
+from rlfeed.service.commands.argtypes import (
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
 DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_GPU = "h200"
 DEFAULT_BATCH = 64
@@ -56,76 +63,52 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, or every architecture flag)")
     model.add_argument("--model", help=f"preset name (default {DEFAULT_MODEL})")
-    model.add_argument("--layers", type=_positive_int, help="number of transformer blocks")
-    model.add_argument("--hidden", type=_positive_int, help="hidden size")
-    model.add_argument("--heads", type=_positive_int, help="query heads")
-    model.add_argument("--kv-heads", type=_positive_int, help="key/value heads")
-    model.add_argument("--head-dim", type=_positive_int, help="per-head dimension")
-    model.add_argument("--intermediate", type=_positive_int, help="MLP intermediate size")
-    model.add_argument("--vocab", type=_positive_int, help="vocabulary size")
+    model.add_argument("--layers", type=positive_int, help="number of transformer blocks")
+    model.add_argument("--hidden", type=positive_int, help="hidden size")
+    model.add_argument("--heads", type=positive_int, help="query heads")
+    model.add_argument("--kv-heads", type=positive_int, help="key/value heads")
+    model.add_argument("--head-dim", type=positive_int, help="per-head dimension")
+    model.add_argument("--intermediate", type=positive_int, help="MLP intermediate size")
+    model.add_argument("--vocab", type=positive_int, help="vocabulary size")
     model.add_argument(
         "--tied-embeddings", action="store_true", help="LM head shares the embedding matrix"
     )
     gpu = parser.add_argument_group("GPU (a preset, or --bandwidth and --flops)")
     gpu.add_argument("--gpu", help=f"preset name (default {DEFAULT_GPU})")
-    gpu.add_argument("--bandwidth", type=_positive_float, help="memory bandwidth, TB/s")
-    gpu.add_argument("--flops", type=_positive_float, help="dense bf16 throughput, TFLOP/s")
-    gpu.add_argument("--memory", type=_positive_float, help="GPU memory, GB (optional)")
+    gpu.add_argument("--bandwidth", type=positive_float, help="memory bandwidth, TB/s")
+    gpu.add_argument("--flops", type=positive_float, help="dense bf16 throughput, TFLOP/s")
+    gpu.add_argument("--memory", type=positive_float, help="GPU memory, GB (optional)")
     rates = parser.add_argument_group("rates")
     rates.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         help=f"decode batch (default {DEFAULT_BATCH}; the step's default is the shape's)",
     )
     rates.add_argument(
         "--context",
-        type=_count,
+        type=non_negative_int,
         help=f"decode context, tokens (default {DEFAULT_CONTEXT}; the step's default is the "
         "shape's 16384)",
     )
     rates.add_argument(
-        "--mfu", type=_fraction, default=DEFAULT_MFU, help=f"training MFU (default {DEFAULT_MFU})"
+        "--mfu", type=fraction, default=DEFAULT_MFU, help=f"training MFU (default {DEFAULT_MFU})"
     )
     shape = parser.add_argument_group("episode shape (any of these adds the step's GPU-hours)")
-    shape.add_argument("--prompts", type=_positive_int, help="prompts (tasks) per step")
-    shape.add_argument("--group-size", type=_positive_int, help="episodes per prompt")
-    shape.add_argument("--prompt-tokens", type=_count, help="prompt tokens per episode")
-    shape.add_argument("--policy-tokens", type=_count, help="generated tokens per episode")
-    shape.add_argument("--tool-tokens", type=_count, help="tool-output tokens per episode")
-    shape.add_argument("--busy-fraction", type=_fraction, help="decode GPUs' busy share")
-    shape.add_argument("--logprob-passes", type=_count, help="log-prob forward passes")
-    shape.add_argument("--steps", type=_positive_int, help="steps in the run, for a run total")
+    shape.add_argument("--prompts", type=positive_int, help="prompts (tasks) per step")
+    shape.add_argument("--group-size", type=positive_int, help="episodes per prompt")
+    shape.add_argument("--prompt-tokens", type=non_negative_int, help="prompt tokens per episode")
+    shape.add_argument(
+        "--policy-tokens", type=non_negative_int, help="generated tokens per episode"
+    )
+    shape.add_argument(
+        "--tool-tokens", type=non_negative_int, help="tool-output tokens per episode"
+    )
+    shape.add_argument("--busy-fraction", type=fraction, help="decode GPUs' busy share")
+    shape.add_argument("--logprob-passes", type=non_negative_int, help="log-prob forward passes")
+    shape.add_argument("--steps", type=positive_int, help="steps in the run, for a run total")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -30,6 +30,8 @@ import json
 import sys
 from pathlib import Path
 
+from rlfeed.service.commands.argtypes import non_negative_int, positive_int
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_BUDGET = 2048  # the demo's token budget
 EXAMPLE_GROUPS = 8  # x 8 episodes: one demo step
@@ -43,26 +45,6 @@ class _SidecarError(Exception):
     """The sidecar cannot give the step: reported on stderr, exit status 1."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _step_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="PNG to write")
     source = parser.add_mutually_exclusive_group()
@@ -73,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--example", action="store_true", help="plan one synthetic demo-fleet step offline"
     )
     parser.add_argument(
-        "--step", type=_step_number, help="served step to draw (default: newest fully fetched)"
+        "--step", type=non_negative_int, help="served step to draw (default: newest fully fetched)"
     )
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar ({DEFAULT_ADDRESS})")
     parser.add_argument(
@@ -81,14 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budget",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BUDGET,
         metavar="TOKENS",
         help=f"offline: token budget per microbatch (default {DEFAULT_BUDGET})",
     )
     parser.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         metavar="K",
         help="offline: data-parallel ranks (default 2)",

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlfeed.service.commands.argtypes import non_negative_float, positive_int
+
 DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
 DEFAULT_WORLD_SIZE = 1
 EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service package
@@ -35,26 +37,6 @@ EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service package
 
 class _UsageError(Exception):
     """Bad input: reported on stderr, exit status 2 (argparse's convention)."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _weight(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budget",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BUDGET,
         metavar="TOKENS",
         help=f"token budget per microbatch, in computed positions (default {DEFAULT_BUDGET})",
@@ -80,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_WORLD_SIZE,
         metavar="K",
         help=f"data-parallel ranks (default {DEFAULT_WORLD_SIZE})",
@@ -93,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--attention-weight",
-        type=_weight,
+        type=non_negative_float,
         default=0.0,
         metavar="W",
         help="rank-balancing cost = tokens + W x sum(L^2) (default 0)",
