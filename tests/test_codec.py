@@ -11,6 +11,7 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import materialize_microbatch
 from rlfeed.service.codec import (
     ROLLOUT_SCHEMA,
+    RolloutBatchArrays,
     decode_microbatch,
     decode_rollout_batch,
     encode_microbatch,
@@ -206,3 +207,26 @@ def test_a_duplicated_column_is_a_value_error_naming_it():
         writer.write_table(doubled)
     with pytest.raises(ValueError, match="'reward'"):
         decode_rollout_batch(sink.getvalue().to_pybytes())
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), max_size=8), seed=st.integers(0, 2**31))
+def test_policy_tokens_are_per_rollout_mask_sums_even_for_empty_rollouts(lengths, seed) -> None:
+    rng = np.random.default_rng(seed)
+    masks = [rng.integers(0, 2, size, dtype=np.uint8) for size in lengths]
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    total = int(offsets[-1])
+    batch = RolloutBatchArrays(
+        rollout_ids=[f"r{i}" for i in range(len(lengths))],
+        task_ids=["t"] * len(lengths),
+        group_ids=["g"] * len(lengths),
+        policy_versions=np.zeros(len(lengths), np.int64),
+        rewards=np.zeros(len(lengths)),
+        token_ids=np.zeros(total, np.int32),
+        action_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+        sampler_logprobs=np.zeros(total, np.float32),
+        offsets=offsets,
+        mask_offsets=offsets,
+        logprob_offsets=offsets,
+    )
+    assert batch.policy_tokens.tolist() == [int(m.sum()) for m in masks]

@@ -110,6 +110,49 @@ def payloads(case: Case, rows: list[dict]) -> list[bytes]:
 # -- end to end ---------------------------------------------------------------------------
 
 
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """pid -> (short command line, CPU seconds so far) of every process on the machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _role(pid: int, command: str, roles: dict[int, str]) -> str:
+    if pid in roles:
+        return roles[pid]
+    for marker in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py"):
+        if marker in command:
+            return f"ray {marker}"
+    if "default_worker.py" in command or "ray::" in command:
+        return "ray worker (the scheduler actor)"
+    return "other: " + command[:40]
+
+
+def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str]) -> None:
+    """CPU seconds each process (grouped by role) used in the end-to-end window."""
+    used: dict[str, float] = {}
+    for pid, (command, total) in after.items():
+        spent = total - before.get(pid, (command, 0.0))[1]
+        if spent > 0:
+            role = _role(pid, command, roles)
+            used[role] = used.get(role, 0.0) + spent
+    print(f"  CPU in the end-to-end window ({seconds:.2f} s wall, {os.cpu_count()} cores):")
+    for role, spent in sorted(used.items(), key=lambda item: -item[1]):
+        print(f"    {role:<44} {spent:6.2f} s")
+    print(f"    {'all':<44} {sum(used.values()):6.2f} s")
+
+
 def producer_main(
     case: Case, address: str, producer: int, producers: int, in_flight: int, go, results
 ) -> None:
@@ -152,7 +195,7 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     results.put(("trainer", rank, (time.perf_counter(), policy_tokens)))
 
 
-def run_e2e(case: Case, producers: int, in_flight: int) -> dict:
+def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> dict:
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.events import ServerEvents
     from rlfeed.service.server import start_server
@@ -202,6 +245,7 @@ def run_e2e(case: Case, producers: int, in_flight: int) -> dict:
         for _ in processes:
             _, _, size = results.get(timeout=300)
             ingest_bytes += size
+        cpu_before = cpu_snapshot() if cpu else {}
         started = time.perf_counter()
         go.set()
         ends, policy_tokens, producer_seconds = [], 0, []
@@ -213,6 +257,11 @@ def run_e2e(case: Case, producers: int, in_flight: int) -> dict:
             else:
                 producer_seconds.append(value)
         seconds = max(ends) - started
+        if cpu:
+            roles = {os.getpid(): "front-end (gRPC server; this process)"}
+            roles.update({p.pid: f"producer {i}" for i, p in enumerate(processes[:producers])})
+            roles.update({p.pid: f"trainer rank {r}" for r, p in enumerate(processes[producers:])})
+            report_cpu(cpu_before, cpu_snapshot(), seconds, roles)
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -396,7 +445,9 @@ def run_stages(case: Case) -> None:
 # -- report -------------------------------------------------------------------------------
 
 
-def run_case(case: Case, producers: int, in_flight: int, stages: bool, repeats: int) -> None:
+def run_case(
+    case: Case, producers: int, in_flight: int, stages: bool, repeats: int, cpu: bool = False
+) -> None:
     print(
         f"\n== {case.name}: {case.rollouts:,} rollouts x {case.tokens:,} tokens, "
         f"{case.steps} steps of {case.prompts_per_step} x {case.group_size}, "
@@ -413,7 +464,7 @@ def run_case(case: Case, producers: int, in_flight: int, stages: bool, repeats: 
         if repeats > 1:
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
-        e2e = run_e2e(case, producers, in_flight)
+        e2e = run_e2e(case, producers, in_flight, cpu)
         sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"])
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
@@ -470,6 +521,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="end-to-end + raw pairs per case (median)"
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="CPU seconds per process in the end-to-end window"
+    )
     args = parser.parse_args()
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
@@ -478,7 +532,7 @@ def main() -> None:
             per_step = prompts * group
             rollouts = max(per_step, args.rollouts // per_step * per_step)
         case = Case(name, tokens, rollouts, prompts, group, batch, budget)
-        run_case(case, args.producers, args.in_flight, args.stages, args.repeats)
+        run_case(case, args.producers, args.in_flight, args.stages, args.repeats, args.cpu)
 
 
 if __name__ == "__main__":
