@@ -5,14 +5,17 @@ process of the Ray cluster (a second gRPC front-end, `rlfeed status` tooling, th
 exporter) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
 what makes the scheduler's state changes a journal-able sequence.
 
-Bulk data stays out of the actor's method queue: `ingest_batch` gets one call per batch
-with small metadata arrays and `[ObjectRef]` of the batch's TokenColumns (wrapped in a list
-so Ray passes the reference instead of resolving it); the token data is read from the
-object store when a step is materialized, and that happens in the gRPC front-end that
-asked for the plan (`plan_ready_steps` -> materialize -> `store_step`), so the actor's
-queue only carries metadata, plans and handles. The actor keeps each rank's response
-handle until the step is released (`retained_steps`): the marker of the front-end that
-holds the bytes in memory, or, once that front-end moved them out (`move_step`), an
+Bulk data stays out of the actor's method queue: `ingest` gets one call per batch with
+small metadata arrays and a handle of the batch's TokenColumns, which stay in the memory of
+the gRPC front-end that decoded them (no copy into the object store). A batch that makes
+steps ready has them planned in the same call; the reply carries each step's work, and the
+front-end materializes and serves it (the bulk work stays out of the actor), then tells the
+actor with a `StoreStepNote`. Such notes, and `FetchNote`s of first fetches the front-end
+answered from its memory, ride along with the front-end's next call (`notes`, applied
+first, in order) instead of costing a call each: on a small machine each Ray call costs
+the front-end about a millisecond of its single interpreter. The actor keeps each rank's
+response handle until the step is released (`retained_steps`): the marker of the
+front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
 object reference.
 
 Expected failures come back as values, `("ok", result)` / `("invalid", message)` /
@@ -25,6 +28,7 @@ from typing import Any
 
 import ray
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler
 from rlfeed.service.validation import InvalidBatchError
 
@@ -33,7 +37,8 @@ class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
-        self._scheduler = Scheduler(config)  # never materializes: front-ends do
+        # Never materializes (front-ends do); reports the payloads it stops needing.
+        self._scheduler = Scheduler(config, track_released_payloads=True)
 
     def ping(self) -> bool:
         return True
@@ -47,27 +52,37 @@ class SchedulerActor:
     def sample_tasks(self, n: int) -> tuple[str, Any]:
         return "ok", self._scheduler.sample_tasks(n)
 
-    def ingest_batch(self, meta: BatchMeta, payload: list | None) -> tuple[str, Any]:
+    def apply_notes(self, notes: list) -> None:
+        """Apply a front-end's StoreStepNote / FetchNote records, in order."""
+        for note in notes:
+            if isinstance(note, StoreStepNote):
+                self._scheduler.store_step(note.step, note.handles, note.response_bytes)
+            elif isinstance(note, FetchNote):
+                self._scheduler.fetch_batch(note.step, note.rank)
+            else:
+                raise TypeError(f"unknown note {note!r}")
+
+    def ingest(self, notes: list, meta: BatchMeta, payload: Any) -> IngestReply:
+        """Apply `notes`, buffer one validated batch, plan every step it made ready."""
+        self.apply_notes(notes)
         try:
-            return "ok", self._scheduler.ingest_batch(meta, payload)
-        except InvalidBatchError as exc:
+            result = self._scheduler.ingest_batch(meta, payload)
+        except (InvalidBatchError, BackpressureError) as exc:
             self._scheduler.record_rejection()
-            return "invalid", str(exc)
-        except BackpressureError as exc:
-            self._scheduler.record_rejection()
-            return "backpressure", str(exc)
+            kind = "invalid" if isinstance(exc, InvalidBatchError) else "backpressure"
+            return IngestReply(kind=kind, result=None, message=str(exc))
+        work = self._scheduler.plan_ready_steps() if result.steps_ready else []
+        return IngestReply(
+            kind="ok",
+            result=result,
+            work=work,
+            released_payloads=self._scheduler.take_released_payloads(),
+            planned_before=self._scheduler.next_step,
+        )
 
-    def record_rejection(self) -> None:
+    def record_rejection(self, notes: list) -> None:
+        self.apply_notes(notes)
         self._scheduler.record_rejection()
-
-    def plan_ready_steps(self) -> list:
-        """StepWork of every newly planned step; the caller materializes and stores it."""
-        return self._scheduler.plan_ready_steps()
-
-    def store_step(self, step: int, responses: list, response_bytes: int) -> Any:
-        """responses[rank] = that rank's handle: [ObjectRef of its GetBatchResponse bytes],
-        or the marker of the front-end holding the bytes; returns the step's StepRecord."""
-        return self._scheduler.store_step(step, responses, response_bytes)
 
     def held_steps(self, steps: list[int]) -> list[int]:
         """Those of `steps` still stored (not released)."""

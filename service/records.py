@@ -8,7 +8,7 @@ monotonic since start).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,39 @@ class IngestResult:
     # newest policy version moved on); `stale` counts this batch's own stale rollouts.
     stale_buffered: int = 0
     stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
+
+
+@dataclass(frozen=True)
+class StoreStepNote:
+    """A front-end stored a planned step's responses (`Scheduler.store_step`), sent to
+    the actor with its next call instead of as a call of its own."""
+
+    step: int
+    handles: list[Any]  # per rank: the front-end's marker, or [ObjectRef]
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class FetchNote:
+    """A rank's first fetch of a step, answered by the front-end from its memory
+    (`Scheduler.fetch_batch`); sent like StoreStepNote, after the step's note."""
+
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class IngestReply:
+    """The actor's answer to one ingest call: the batch's outcome, the work of every step
+    the batch made ready (planned in the same call), and the ingest payloads the scheduler
+    no longer needs once every step before `planned_before` is materialized."""
+
+    kind: str  # "ok" | "invalid" | "backpressure"
+    result: IngestResult | None  # for "ok"
+    message: str = ""  # for "invalid" / "backpressure"
+    work: list[Any] = field(default_factory=list)  # StepWork, in step order
+    released_payloads: list[Any] = field(default_factory=list)
+    planned_before: int = 0  # the scheduler's next step after this call
 
 
 @dataclass(frozen=True)

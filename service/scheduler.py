@@ -8,9 +8,10 @@ state, so a write-ahead journal can record the calls and replay them to the same
 and the same served bytes. `service/actors.py` hosts one instance in a named Ray actor.
 
 Bulk token data never passes through here row by row: `ingest_batch` receives per-rollout
-metadata arrays plus an opaque payload handle for the batch's TokenColumns (a Ray object
-reference in the actor, the columns themselves in tests); `resolve(handle)` is called only
-when a step is materialized, once per batch involved.
+metadata arrays plus an opaque payload handle for the batch's TokenColumns (in the sidecar,
+a key into the memory of the gRPC front-end that decoded the batch; the columns themselves
+in tests); `resolve(handle)` is called only when a step is materialized, once per batch
+involved.
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ class Scheduler:
         config: SidecarConfig,
         *,
         resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
+        track_released_payloads: bool = False,
     ) -> None:
         self.config = config
         self._resolve = resolve
+        # When set, payload handles the scheduler stops needing are kept for
+        # `take_released_payloads` (a front-end that holds the columns frees them then).
+        self._released: list[Any] | None = [] if track_released_payloads else None
         self._step_config = config.step_config()
         self._curriculum = config.curriculum.curriculum_config()
         self._rng = np.random.default_rng(config.curriculum.seed)
@@ -360,9 +365,21 @@ class Scheduler:
             entry = self._payloads[row[1]]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._payloads[row[1]]  # drop the reference: Ray may free the object
+                del self._payloads[row[1]]
+                if self._released is not None:
+                    self._released.append(entry[0])
             self._buffered_bytes -= row[6] * 9
         self._buffered_rollouts -= len(rows)
+
+    def take_released_payloads(self) -> list[Any]:
+        """Payload handles no buffered rollout refers to any more, since the last call (empty
+        unless tracking). A step planned before refers to them in its StepWork, so whoever
+        holds the columns frees them once every step before `next_step` is materialized.
+        An output, not a state change: replay recomputes it."""
+        if not self._released:
+            return []
+        released, self._released = self._released, []
+        return released
 
     def _drop_group(self, group_id: str, reason: str) -> None:
         group = self._open.pop(group_id, None) or self._complete.pop(group_id, None)

@@ -7,34 +7,38 @@ NOT_SERVING, waiting GetBatch calls are released, the server drains for `grace` 
 the actor is killed and Ray is shut down if this process started it.
 
 Per rollout batch the handler thread decodes the Arrow payload and validates it
-(vectorized numpy), `ray.put`s the columns and sends the actor one call with metadata
-arrays and the object reference; the ack answers from its result. When that completes a
-step, the handler wakes this front-end's assembler thread and returns: the assembler asks
-the actor for the step's plan, materializes every rank's response (the bulk work, here and
-not in the actor), keeps the bytes in its memory and hands the actor this front-end's
-marker as the step's handle without waiting (`store_step`). Beyond `_RESPONSE_CACHE_BYTES`
-the oldest steps the actor still holds are `ray.put` and their references replace the
-marker (`move_step`), so memory stays bounded and every held step stays servable. So the
-actor's Python loop only sees metadata, ingest and serving scale with front-end threads,
-and a producer's ack never waits for step assembly. GetBatch answers with the stored
-response bytes as they are (a pass-through serializer), so a re-fetch is byte-identical.
+(vectorized numpy), keeps the columns in this process under a key (`_LocalPayloads`; no
+copy into the object store) and sends the actor one call with metadata arrays and the
+handle (front-end id, key); the ack answers from its result. A batch that completes a step
+has the step planned in the same call: the handler hands the work to this front-end's
+assembler thread and returns. The assembler materializes every rank's response (the bulk
+work, here and not in the actor), keeps the bytes in its memory and notes the step stored
+for the actor (`StoreStepNote`), frees the ingest columns the actor released once no
+planned step can need them, and moves the oldest responses beyond `_RESPONSE_CACHE_BYTES`
+to the object store (`move_step`), so memory stays bounded and every held step stays
+servable. Notes ride along with the next actor call (`_ActorCalls`) rather than costing a
+Ray call each. So the actor's Python loop only sees metadata, ingest and serving scale with
+front-end threads, and a producer's ack never waits for step assembly. GetBatch answers
+with the stored response bytes as they are (a pass-through serializer), so a re-fetch is
+byte-identical.
 
 GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
 the step; if it is still not assembled, answer OK with `ready = false` (poll again). A
-rank's first fetch of a step this front-end assembled is answered from its memory, and the
-fetch is sent to the actor without waiting (it still goes through `fetch_batch`, after the
-step's `store_step`: one caller's actor calls run in submission order). Every other fetch
+rank's first fetch of a step this front-end assembled is answered from its memory, and a
+`FetchNote` tells the actor (after the step's StoreStepNote: one caller's actor calls run
+in submission order). Every other fetch
 waits for the actor's answer, which is how a released step is reported NOT_FOUND.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.sched.assembly import TokenColumns
 from rlfeed.service.actors import create_scheduler_actor
 from rlfeed.service.codec import (
     RolloutBatchView,
@@ -53,7 +58,8 @@ from rlfeed.service.codec import (
 )
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.events import ServerEvents, notify
-from rlfeed.service.materialize import materialize_work
+from rlfeed.service.materialize import StepWork, materialize_work
+from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta
 from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
@@ -63,6 +69,8 @@ SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by
 # signal (another front-end may have assembled it).
 _POLL_SECONDS = 0.25
 ASSEMBLY_RETRY_SECONDS = 1.0  # after a failed step materialization (the step is kept)
+# Notes wait for the front-end's next actor call; with none for this long, they go alone.
+NOTE_FLUSH_SECONDS = 0.05
 
 
 # Steps this front-end materialized stay in its memory, and are served from there, up to
@@ -125,6 +133,101 @@ class _ResponseCache:
                     self._bytes -= sum(map(len, held[0]))
 
 
+class _LocalPayloads:
+    """The TokenColumns of the ingest batches this front-end decoded, by key, kept here
+    (not copied into the object store) until the scheduler no longer needs them.
+
+    The scheduler reports a batch released when its last buffered rollout leaves the
+    buffer; steps planned before may still have to read it, so the columns are freed only
+    once every step before the release's `planned_before` is materialized here."""
+
+    def __init__(self) -> None:
+        self._columns: dict[int, TokenColumns] = {}
+        self._pending: list[tuple[int, int]] = []  # (planned_before, key)
+        self._next_key = 0
+        self._lock = threading.Lock()
+
+    def add(self, columns: TokenColumns) -> int:
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+            self._columns[key] = columns
+            return key
+
+    def get(self, key: int) -> TokenColumns:
+        with self._lock:
+            return self._columns[key]
+
+    def discard(self, key: int) -> None:
+        """Free a batch the scheduler did not keep (rejected, or nothing accepted)."""
+        with self._lock:
+            self._columns.pop(key, None)
+
+    def release(self, keys: list[int], planned_before: int, materialized_before: int) -> None:
+        """Free `keys` once every step < planned_before is materialized."""
+        with self._lock:
+            self._pending.extend((planned_before, key) for key in keys)
+        self.free_released(materialized_before)
+
+    def free_released(self, materialized_before: int) -> None:
+        """Free the released batches no unmaterialized step can need any more."""
+        with self._lock:
+            keep = []
+            for planned_before, key in self._pending:
+                if planned_before <= materialized_before:
+                    self._columns.pop(key, None)
+                else:
+                    keep.append((planned_before, key))
+            self._pending = keep
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._columns)
+
+
+class _ActorCalls:
+    """This front-end's calls to the scheduler actor, submitted in one order, with the
+    pending notes (StoreStepNote / FetchNote) riding along on the next call.
+
+    Taking the notes and submitting the call happen under one lock: Ray runs one caller's
+    calls to an actor in submission order, so the actor sees a step's StoreStepNote before
+    any FetchNote of it, and both before any later call of this front-end."""
+
+    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+        self.actor = actor
+        self._notes: list = []
+        self._notes_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+
+    def note(self, note: StoreStepNote | FetchNote) -> None:
+        with self._notes_lock:
+            self._notes.append(note)
+
+    def _take_notes(self) -> list:
+        with self._notes_lock:
+            notes, self._notes = self._notes, []
+            return notes
+
+    def submit_with_notes(self, method: str, *args) -> ray.ObjectRef:
+        """`actor.method(notes, *args)`, for the methods that take the notes first."""
+        with self._submit_lock:
+            return getattr(self.actor, method).remote(self._take_notes(), *args)
+
+    def submit(self, method: str, *args) -> ray.ObjectRef:
+        """`actor.method(*args)`, after the pending notes (sent alone if there are any)."""
+        with self._submit_lock:
+            notes = self._take_notes()
+            if notes:
+                self.actor.apply_notes.remote(notes)
+            return getattr(self.actor, method).remote(*args)
+
+    def flush(self) -> None:
+        with self._submit_lock:
+            notes = self._take_notes()
+            if notes:
+                self.actor.apply_notes.remote(notes)
+
+
 def _unavailable_when_ray_fails(handler):
     """A dead scheduler actor or Ray connection answers UNAVAILABLE (retryable), not
     UNKNOWN with a traceback."""
@@ -140,6 +243,10 @@ def _unavailable_when_ray_fails(handler):
             )
 
     return wrapped
+
+
+def _step_of(item: tuple[int, float, StepWork]) -> int:
+    return item[0]
 
 
 def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
@@ -158,17 +265,25 @@ class SidecarServicer:
         self.config = config
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
+        self._calls = _ActorCalls(actor)
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._newest_stored = -1  # the newest step this front-end stored
         self._stopping = False
         self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
+        self._id = uuid.uuid4().hex
         # The handle the actor keeps for a step whose bytes are in this front-end's memory.
-        self._marker = ("front-end", uuid.uuid4().hex)
-        self._steps_ready = threading.Event()  # set by ingest: the actor has a step to plan
-        # Steps the actor planned (and so removed from its buffer) that are not stored yet:
-        # kept until stored, so a failed materialization is retried, never lost.
-        self._unstored: deque = deque()
+        self._marker = ("front-end", self._id)
+        self._payloads = _LocalPayloads()
+        # Steps the actor planned (and so removed from its buffer) that are not stored yet,
+        # in step order: kept until stored, so a failed materialization is retried.
+        self._unstored: list[tuple[int, float, StepWork]] = []  # (step, planned at, work)
+        self._unstored_lock = threading.Lock()
+        # Steps [0, _materialized_before) are all stored (the actor this front-end started
+        # plans from step 0); later ones stored out of order wait in `_stored_ahead`.
+        self._materialized_before = 0
+        self._stored_ahead: set[int] = set()
+        self._steps_ready = threading.Event()  # set when planned work arrives
         self._assembler: threading.Thread | None = None  # started by the first ready step
         self._assembler_lock = threading.Lock()
 
@@ -199,21 +314,17 @@ class SidecarServicer:
                 vocab_size=self.config.rollouts.vocab_size,
             )
         except ValueError as exc:
-            self.actor.record_rejection.remote()
+            self._calls.submit_with_notes("record_rejection")
             self._rejected(exc, arrays)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        payload = [ray.put(arrays.columns)] if len(arrays) else None
-        kind, result = ray.get(
-            self.actor.ingest_batch.remote(BatchMeta.from_arrays(arrays), payload)
-        )
-        if kind == "invalid":
-            self._rejected(InvalidBatchError(result), arrays)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result)
-        if kind == "backpressure":
-            self._rejected(BackpressureError(result), arrays)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result)
-        if result.steps_ready:
-            self._wake_assembler()
+        reply = self._ingest(arrays)
+        if reply.kind == "invalid":
+            self._rejected(InvalidBatchError(reply.message), arrays)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, reply.message)
+        if reply.kind == "backpressure":
+            self._rejected(BackpressureError(reply.message), arrays)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reply.message)
+        result = reply.result
         notify(
             self.events,
             "on_ingest",
@@ -230,6 +341,32 @@ class SidecarServicer:
             buffered_rollouts=result.buffered_rollouts,
         )
 
+    def _ingest(self, arrays) -> IngestReply:
+        """One actor call for a validated batch: its columns stay here under a key, the
+        actor gets the metadata and the handle (this front-end's id, key). Hands the work of
+        the steps it made ready to the assembler and frees the batches the actor released."""
+        key = self._payloads.add(arrays.columns) if len(arrays) else None
+        kept = False
+        try:
+            handle = (self._id, key) if key is not None else None
+            reply: IngestReply = ray.get(
+                self._calls.submit_with_notes("ingest", BatchMeta.from_arrays(arrays), handle)
+            )
+            kept = reply.kind == "ok" and reply.result.accepted > 0
+        finally:
+            if key is not None and not kept:
+                self._payloads.discard(key)
+        if reply.work:
+            planned_at = time.time()
+            with self._unstored_lock:
+                for work in reply.work:
+                    bisect.insort(self._unstored, (work.step, planned_at, work), key=_step_of)
+            self._wake_assembler()
+        if reply.released_payloads:
+            mine = [key for owner, key in reply.released_payloads if owner == self._id]
+            self._payloads.release(mine, reply.planned_before, self._materialized_before)
+        return reply
+
     def _rejected(self, error: BaseException, arrays) -> None:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
         notify(self.events, "on_reject", error, rollouts=rollouts, tokens=tokens)
@@ -244,14 +381,18 @@ class SidecarServicer:
         self._steps_ready.set()
 
     def _assemble_loop(self) -> None:
-        """Assemble steps off the ingest path: the producer's ack never waits for it."""
+        """Assemble steps off the ingest path: the producer's ack never waits for it. With
+        nothing to assemble for NOTE_FLUSH_SECONDS, send the notes no call took along."""
         while True:
-            self._steps_ready.wait()
-            self._steps_ready.clear()  # before planning: a step readied later wakes us again
+            woken = self._steps_ready.wait(timeout=NOTE_FLUSH_SECONDS)
+            self._steps_ready.clear()  # before assembling: work arriving later wakes us again
             if self._stopping:
                 return
             try:
-                self._assemble()
+                if woken:
+                    self._assemble()
+                else:
+                    self._calls.flush()
             except Exception:  # a dead actor surfaces on the next handler call too
                 if not self._stopping:
                     _log.exception("rlfeed: step assembly failed; retrying in 1 s")
@@ -259,33 +400,42 @@ class SidecarServicer:
                     self._steps_ready.set()
 
     def _assemble(self) -> None:
-        """Plan ready steps in the actor, materialize them here (this thread's CPU, not the
-        actor's), `ray.put` each rank's response and hand the actor the references; keep
-        the bytes in a local cache so this front-end serves them without a copy back.
+        """Materialize every planned step here (this thread's CPU, not the actor's), keep
+        the responses in this front-end's memory and note the step stored for the actor.
 
-        `store_step` is not waited for: the step enters the local cache after the call is
-        submitted, and the actor runs one caller's calls in submission order, so any fetch
-        this front-end sends for the step reaches the actor after the step."""
-        planned_at = time.time()
-        self._unstored.extend(ray.get(self.actor.plan_ready_steps.remote()))
-        while self._unstored:
-            work = self._unstored[0]
-            handles = list(work.payloads.values())  # each [ObjectRef of TokenColumns]
-            columns = dict(zip(map(id, handles), ray.get([h[0] for h in handles]), strict=True))
-            responses = materialize_work(work, resolve=lambda handle, c=columns: c[id(handle)])
+        The StoreStepNote is queued before the step enters the local cache, so any
+        FetchNote of the step is queued (and reaches the actor) after it."""
+        while True:
+            with self._unstored_lock:
+                if not self._unstored:
+                    break
+                step, planned_at, work = self._unstored[0]
+            responses = materialize_work(work, resolve=self._resolve_payload)
             size = sum(map(len, responses))
             # The record store_step returns, known without waiting; reported before any
             # fetch can see the step.
             record = replace(work.record, response_bytes=size)
             notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
-            self.actor.store_step.remote(work.step, [self._marker] * len(responses), size)
-            self._responses.put(work.step, responses)
+            self._calls.note(StoreStepNote(step, [self._marker] * len(responses), size))
+            self._responses.put(step, responses)
             with self._steps_changed:
                 self._steps_stored += 1
-                self._newest_stored = max(self._newest_stored, work.step)
+                self._newest_stored = max(self._newest_stored, step)
                 self._steps_changed.notify_all()
-            self._unstored.popleft()
+            with self._unstored_lock:
+                self._unstored.pop(0)
+            self._stored_ahead.add(step)
+            while self._materialized_before in self._stored_ahead:
+                self._stored_ahead.remove(self._materialized_before)
+                self._materialized_before += 1
+        self._payloads.free_released(self._materialized_before)
         self._move_out_old_steps()
+
+    def _resolve_payload(self, handle: tuple[str, int]) -> TokenColumns:
+        owner, key = handle
+        if owner != self._id:
+            raise RuntimeError(f"ingest batch {handle} is held by another front-end")
+        return self._payloads.get(key)
 
     def _move_out_old_steps(self) -> None:
         """Keep this front-end's memory bounded: of the oldest steps beyond the cache size,
@@ -295,18 +445,18 @@ class SidecarServicer:
         oldest = self._responses.oldest_beyond()
         if not oldest:
             return
-        held = set(ray.get(self.actor.held_steps.remote(oldest)))
+        held = set(ray.get(self._calls.submit("held_steps", oldest)))
         for step in oldest:
             responses = self._responses.get(step)
             if step in held and responses is not None:
-                self.actor.move_step.remote(step, [[ray.put(r)] for r in responses])
+                self._calls.submit("move_step", step, [[ray.put(r)] for r in responses])
         self._responses.drop(oldest)
 
     # ---- TaskSampling ---------------------------------------------------------------
 
     @_unavailable_when_ray_fails
     def RegisterTasks(self, request: pb.RegisterTasksRequest, context):
-        kind, result = ray.get(self.actor.register_tasks.remote(list(request.task_ids)))
+        kind, result = ray.get(self._calls.submit("register_tasks", list(request.task_ids)))
         if kind != "ok":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, result)
         added, total = result
@@ -314,7 +464,7 @@ class SidecarServicer:
 
     @_unavailable_when_ray_fails
     def SampleTasks(self, request: pb.SampleTasksRequest, context):
-        _, result = ray.get(self.actor.sample_tasks.remote(int(request.n)))
+        _, result = ray.get(self._calls.submit("sample_tasks", int(request.n)))
         requested = int(request.n) or self.config.rollouts.prompts_per_step
         notify(self.events, "on_task_sample", requested=requested, result=result)
         return pb.SampleTasksResponse(
@@ -341,7 +491,7 @@ class SidecarServicer:
                 # A first fetch cannot meet a released step (release needs every rank's
                 # fetch), so it is answered from here; the actor records it in order after
                 # the step's store_step. Re-fetches ask the actor (it may have released).
-                self.actor.fetch_batch.remote(step, rank)
+                self._calls.note(FetchNote(step, rank))
                 notify(self.events, "on_served", step, rank, response)
                 return response
             # A step past the newest one stored here is most likely still being produced:
@@ -381,7 +531,7 @@ class SidecarServicer:
                 )
 
     def _ask_fetch(self, step: int, rank: int) -> tuple[str, object]:
-        return ray.get(self.actor.fetch_batch.remote(step, rank))
+        return ray.get(self._calls.submit("fetch_batch", step, rank))
 
     def _stored_response(self, step: int, rank: int, handle) -> bytes | None:
         """The bytes behind the actor's handle of (step, rank): from this front-end's
@@ -403,7 +553,7 @@ class SidecarServicer:
             "tokens_per_second": request.tokens_per_second,
             "step_seconds": request.step_seconds,
         }
-        kind, message = ray.get(self.actor.record_report.remote(int(request.rank), report))
+        kind, message = ray.get(self._calls.submit("record_report", int(request.rank), report))
         if kind == "invalid":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         notify(self.events, "on_trainer_report", int(request.rank), report)
@@ -413,7 +563,7 @@ class SidecarServicer:
 
     @_unavailable_when_ray_fails
     def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
-        return status_to_proto(ray.get(self.actor.status.remote()), self.config)
+        return status_to_proto(ray.get(self._calls.submit("status")), self.config)
 
 
 def _rollout_ingest_handler(servicer: SidecarServicer) -> grpc.GenericRpcHandler:

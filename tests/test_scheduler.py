@@ -3,6 +3,8 @@ zero-advantage handling, backpressure, release of fetched steps and the curricul
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -406,3 +408,51 @@ def test_task_sampling_drops_saturated_tasks_and_revisits_them() -> None:
     replay.register_tasks(["easy", "hard", "mixed"])
     ingest(replay, rollouts)
     assert replay.sample_tasks(3) == sample  # deterministic given the seed
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    batch_size=st.integers(1, 9),
+    drop_zero=st.booleans(),
+    stale_from=st.integers(0, 12),
+)
+def test_a_payload_is_released_once_after_its_last_buffered_rollout_leaves(
+    seed: int, batch_size: int, drop_zero: bool, stale_from: int
+) -> None:
+    """The front-end frees an ingest batch's columns on release: never while a buffered
+    rollout still needs them, exactly once, and for every batch once nothing is buffered."""
+    config = {
+        "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_policy_lag": 0},
+        "batching": {"world_size": 2, "token_budget": 256},
+        "advantages": {"drop_zero_advantage": drop_zero},
+    }
+    scheduler = Scheduler(with_overrides(SidecarConfig(), **config), track_released_payloads=True)
+    scheduler.register_tasks([f"task-{i}" for i in range(64)])
+    rng = np.random.default_rng(seed)
+    old = synthetic_groups(num_groups=12, group_size=4, rng=rng, pass_rate=0.6)
+    # Groups from stale_from on are one policy version newer: older open groups go stale.
+    rollouts = replace(old, policy_versions=[int(i // 4 >= stale_from) for i in range(len(old))])
+    order = rng.permutation(len(rollouts))
+    accepted, released, planned = [], [], set()
+    for start in range(0, len(order), batch_size):
+        handle = f"batch-{start}"
+        arrays = decode_rollout_batch(rollouts.encode(order[start : start + batch_size]))
+        validate_rollout_batch(arrays, token_budget=256)
+        if scheduler.ingest_batch(BatchMeta.from_arrays(arrays), handle).accepted:
+            accepted.append(handle)
+        for work in scheduler.plan_ready_steps():
+            planned.update(work.payloads.values())
+        released += scheduler.take_released_payloads()
+        held = {handle for handle, _ in scheduler._payloads.values()}
+        buffered = {
+            row[1]
+            for group in (*scheduler._open.values(), *scheduler._complete.values())
+            for row in group.rows
+        }
+        assert buffered <= set(scheduler._payloads), "a buffered rollout lost its payload"
+        assert not held & set(released), "released while still held"
+    assert len(released) == len(set(released)), "a payload released twice"
+    assert planned <= set(accepted)
+    # Every accepted batch is either still held (a buffered rollout needs it) or released.
+    assert sorted(released + sorted(held)) == sorted(accepted)

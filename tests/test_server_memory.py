@@ -1,4 +1,5 @@
-"""The front-end serves steps from its memory and moves old ones to the object store.
+"""The front-end serves steps from its memory and moves old ones to the object store; it
+holds the ingest columns in its memory and frees them once the scheduler releases them.
 
 Real gRPC on loopback and real local Ray, with the front-end's response memory shrunk to
 one byte, so that every step beyond the newest leaves it: served bytes must not change,
@@ -76,3 +77,66 @@ def test_an_unfetched_step_moved_out_is_served_from_the_object_store(make_sideca
         steps = [[fetch(channel, step, 0)] for step in (0, 1)]  # first fetches
         served = [rid for step in steps for rid in check_served_step(step, rollouts)]
         assert sorted(served) == sorted(rollouts.rollout_ids)
+
+
+def test_ingest_columns_are_freed_and_first_fetches_reach_the_actor(make_sidecar) -> None:
+    """Batches split across steps, one of them half stale: once every step is fetched, the
+    front-end holds only the batch whose group is still open, and the scheduler knows every
+    first fetch it answered from memory (the notes reached the actor without another call)."""
+    sidecar = make_sidecar(
+        rollouts={**GROUPS, "max_policy_lag": 0}, batching={"world_size": 2, "retained_steps": 8}
+    )
+    rng = np.random.default_rng(12)
+    rollouts = synthetic_groups(num_groups=6, group_size=4, rng=rng)
+    newer = synthetic_groups(num_groups=3, group_size=4, rng=rng, prefix="v1-", policy_version=1)
+    with grpc.insecure_channel(sidecar.address) as channel:
+        ingest = pb_grpc.RolloutIngestStub(channel)
+        pb_grpc.TaskSamplingStub(channel).RegisterTasks(
+            pb.RegisterTasksRequest(task_ids=sorted({*rollouts.task_ids, *newer.task_ids}))
+        )
+        # Batches of 6 rollouts: every batch but the last spans two groups, so steps share
+        # batches; the last holds half of group 5, which a newer policy version makes stale.
+        for sequence, start in enumerate(range(0, 24, 6)):
+            rows = range(start, min(start + 6, 22))
+            ingest.SubmitRolloutBatch(
+                pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence), timeout=30
+            )
+        for step in range(2):
+            check_served_step([fetch(channel, step, rank) for rank in range(2)], rollouts)
+        # Groups 4 (complete, waiting for a partner; its batch also fed step 1) and 5 go
+        # stale; newer groups 0 and 1 make a step, newer group 2 stays open.
+        ack = ingest.SubmitRolloutBatch(
+            pb.RolloutBatch(arrow_ipc=newer.encode(range(10)), sequence=9), timeout=30
+        )
+        assert (ack.accepted, ack.stale) == (10, 0)
+        check_served_step([fetch(channel, 2, rank) for rank in range(2)], newer)
+        status = pb_grpc.SidecarStatusStub(channel)
+        deadline = time.monotonic() + 30
+        while (
+            len(sidecar.servicer._payloads) != 1
+            or status.GetStatus(pb.GetStatusRequest(), timeout=10).steps_waiting
+        ):
+            assert time.monotonic() < deadline, (
+                f"{len(sidecar.servicer._payloads)} batches held, waiting: "
+                f"{status.GetStatus(pb.GetStatusRequest(), timeout=10).steps_waiting}"
+            )
+            time.sleep(0.01)
+        final = status.GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert final.buffered_rollouts == 2  # the open newer group's two rollouts
+        assert final.counters.rollouts_stale == 6  # complete group 4 and half of group 5
+
+
+def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materialized() -> None:
+    from rlfeed.service.server import _LocalPayloads
+
+    payloads = _LocalPayloads()
+    first, second = payloads.add("columns of batch 0"), payloads.add("columns of batch 1")
+    # Released by the call that planned step 3, while steps 2 and 3 are not materialized.
+    payloads.release([first], planned_before=4, materialized_before=2)
+    assert payloads.get(first) == "columns of batch 0"
+    payloads.free_released(materialized_before=3)
+    assert len(payloads) == 2
+    payloads.free_released(materialized_before=4)
+    assert len(payloads) == 1 and payloads.get(second) == "columns of batch 1"
+    payloads.release([second], planned_before=4, materialized_before=4)  # nothing pending
+    assert len(payloads) == 0

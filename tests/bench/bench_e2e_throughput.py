@@ -30,10 +30,12 @@ seconds (= e2e bytes rate / raw bytes rate). With `--repeats N` the median ratio
 rollouts/s decide the targets: >= 50% of the raw bytes rate for 8k-token rollouts (`long`),
 >= 20,000 rollouts/s for 100-token rollouts (`short`). `--stages` first times each stage
 alone, in one process on one step of the case's data (client encode, server decode +
-validate, ray.put/get of the columns, plan + materialize + encode, client decode), to show
-where the end-to-end time goes. To see more, run it under a sampling profiler that follows
-every process and thread, e.g.
-`py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`.
+validate, plan + materialize + encode, client decode). `--cpu` prints the CPU seconds
+each process used in the end-to-end window (front-end, scheduler actor, producers, ranks,
+Ray's daemons) and those of the raw stream's two ends: on a machine with few cores the
+sum, not one process, bounds the rate. To see more, run it under a sampling profiler, e.g.
+`py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`
+(py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 """
 
 from __future__ import annotations
@@ -290,17 +292,22 @@ def raw_client_main(address: str, sink_payloads: list[bytes], source_sizes: list
     sink = channel.stream_unary("/raw.Raw/Sink")
     source = channel.unary_stream("/raw.Raw/Source")
     sink(iter([b"warm-up"]))
+    cpu_started = time.process_time()
     started = time.perf_counter()
     sink(iter(sink_payloads))
     middle = time.perf_counter()
     received = sum(len(m) for m in source(np.asarray(source_sizes, np.int64).tobytes()))
     ended = time.perf_counter()
+    cpu = time.process_time() - cpu_started
     channel.close()
-    out.put((middle - started, ended - middle, received))
+    out.put((middle - started, ended - middle, received, cpu))
 
 
-def run_raw(sink_payloads: list[bytes], source_sizes: list[int]) -> tuple[float, float]:
-    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out)."""
+def run_raw(
+    sink_payloads: list[bytes], source_sizes: list[int], cpu: bool = False
+) -> tuple[float, float]:
+    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out);
+    with `cpu`, also prints the CPU seconds both ends used (the floor e2e is compared to)."""
     import grpc
 
     blob = os.urandom(max(source_sizes))
@@ -335,9 +342,16 @@ def run_raw(sink_payloads: list[bytes], source_sizes: list[int]) -> tuple[float,
         target=raw_client_main, args=(f"127.0.0.1:{port}", sink_payloads, source_sizes, out)
     )
     try:
+        server_cpu = time.process_time()
         client.start()
-        sink_seconds, source_seconds, received = out.get(timeout=600)
+        sink_seconds, source_seconds, received, client_cpu = out.get(timeout=600)
+        server_cpu = time.process_time() - server_cpu
         assert received == sum(source_sizes)
+        if cpu:
+            print(
+                f"  CPU of the raw stream: client {client_cpu:.2f} s + server {server_cpu:.2f} s "
+                f"(server includes starting the client) = {client_cpu + server_cpu:.2f} s"
+            )
     finally:
         client.join(timeout=30)
         server.stop(0)
@@ -358,7 +372,6 @@ def _best(function, repeats: int = 3) -> float:
 
 def run_stages(case: Case) -> None:
     """Seconds per MiB of ingest payload for each stage of one step, each timed alone."""
-    import ray
     from rlfeed.client.arrow_codec import (
         RolloutColumns,
         decode_step,
@@ -422,15 +435,7 @@ def run_stages(case: Case) -> None:
         "client: rollouts -> Arrow batches (RolloutColumns + encode)": _best(encode_all),
         "server: decode + validate + metadata": _best(decode_validate),
     }
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        columns = [c for _, c in decoded]
-        timings["server: ray.put of the columns"] = _best(lambda: [ray.put(c) for c in columns])
-        refs = [ray.put(c) for c in columns]
-        timings["server: ray.get of the columns"] = _best(lambda: ray.get(refs))
-        timings["server: plan + materialize + encode all ranks"] = _best(assemble)
-    finally:
-        ray.shutdown()
+    timings["server: plan + materialize + encode all ranks"] = _best(assemble)
     timings["client: parse GetBatchResponse in place + decode_step"] = _best(client_decode)
     print(
         f"  stages, one step ({per_step} rollouts, {mib:.1f} MiB in, {served_mib:.1f} MiB "
@@ -465,7 +470,7 @@ def run_case(
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
         e2e = run_e2e(case, producers, in_flight, cpu)
-        sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"])
+        sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu)
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
         rates.append(rate)
