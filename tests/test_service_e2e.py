@@ -365,7 +365,7 @@ def test_health_reflection_sampling_and_trainer_reports(make_sidecar, client_for
 
 def _rlfeed(*args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Popen:
     command = [sys.executable, "-m", "rlfeed", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
     if kwargs.pop("background", False):
         return subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
@@ -488,3 +488,77 @@ def test_a_failed_step_materialization_is_retried_not_lost(
     served += check_served_step(client.step_bytes(1, 1), rollouts)
     assert failures == [0]  # step 0 failed once, was retried, and nothing was lost
     assert sorted(served) == sorted(rollouts.rollout_ids)
+
+
+_CLUSTER_HOLDER = """
+import sys, ray
+context = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="held")
+print(context.address_info["gcs_address"], flush=True)
+sys.stdin.readline()  # the test joined the cluster with rlfeed serve and stopped it
+print("alive", ray.get(ray.remote(lambda: 41 + 1).remote()), flush=True)
+ray.shutdown()
+"""
+
+
+def test_rlfeed_serve_joins_a_running_ray_cluster_and_leaves_it_running(tmp_path) -> None:
+    """`--ray-address HOST:PORT`: the scheduler actor lives in that cluster (found by name
+    from its own driver), and stopping the sidecar kills the actor but not the cluster.
+    Ray (2.59+) authenticates every process that joins a cluster: like a deployment, every
+    process here gets the cluster's token through RAY_AUTH_MODE / RAY_AUTH_TOKEN."""
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CLUSTER_HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **auth},
+    )
+    server = None
+    try:
+        gcs_address = holder.stdout.readline().strip()
+        assert gcs_address, "the Ray cluster did not start"
+        config = tmp_path / "sidecar.toml"
+        config.write_text('[ray]\nactor_name = "joined-sidecar"\nnamespace = "joined"\n')
+        server = _rlfeed(
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            "0",
+            "--ray-address",
+            gcs_address,
+            background=True,
+            env=auth,
+        )
+        address = None
+        deadline = time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "rlfeed serve exited during start-up"
+            if line.startswith("rlfeed serve: listening on "):
+                address = line.split()[4]
+        shown = _rlfeed("status", "--address", address, "--json")
+        assert shown.returncode == 0 and json.loads(shown.stdout)["health"] == "SERVING"
+        found = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import ray; ray.init(address={gcs_address!r}, namespace='joined'); "
+                "print(ray.get(ray.get_actor('joined-sidecar').ping.remote()))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **auth},
+        )
+        assert found.stdout.strip().endswith("True"), found.stderr[-2000:]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=15) == 0
+        out, _ = holder.communicate("\n", timeout=60)
+        assert "alive 42" in out, "stopping the sidecar took the cluster it joined down"
+    finally:
+        for process in (server, holder):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()

@@ -3,6 +3,7 @@
     rlfeed serve                                  # defaults, embedded local Ray, port 50051
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
+    rlfeed serve --ray-address 10.0.0.5:6379      # join a cluster by its head's address
     rlfeed serve --metrics-port 9400              # Prometheus /metrics on 127.0.0.1:9400
 
 Prints the resolved configuration (TOML) and then one line `rlfeed serve: listening on
@@ -12,7 +13,9 @@ the newest step's layout picture and a health check on `[server] metrics_host` (
 unless configured, whatever `host` gRPC binds) and prints `rlfeed serve: metrics on
 http://HOST:PORT/metrics`. SIGTERM or Ctrl-C stops it within seconds: the metrics endpoint
 closes, health goes NOT_SERVING, in-flight calls get a short grace period, the scheduler
-actor is killed and an embedded Ray is shut down. A bad config exits 2 with the key and
+actor is killed and an embedded Ray is shut down (a joined cluster keeps running). Joining
+a cluster with token authentication (Ray 2.59+) needs its token, as for any Ray driver:
+RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment. A bad config exits 2 with the key and
 section; a port in use exits 1.
 """
 
