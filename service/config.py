@@ -118,7 +118,15 @@ class RolloutsConfig:
         16,
         "a rollout whose policy_version is more than this many versions ahead of the newest "
         "seen so far is rejected (INVALID_ARGUMENT), so one bogus version cannot make every "
-        "honest rollout stale; the first accepted rollout sets the baseline",
+        "honest rollout stale; the baseline is initial_policy_version, or, if that is -1, "
+        "the first accepted rollout's version",
+    )
+    initial_policy_version: int = _f(
+        -1,
+        "the policy version the run starts from (e.g. the checkpoint's, when resuming): the "
+        "newest version seen starts here, so even the first rollouts are held to "
+        "max_version_jump and max_policy_lag; -1 = take the first accepted rollout's version "
+        "(then a bogus version on the very first rollout becomes the baseline)",
     )
     vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
     dedup_window_groups: int = _f(
@@ -143,6 +151,12 @@ class RolloutsConfig:
         _require(self.group_size >= 1, "rollouts", "group_size", "must be >= 1")
         _require(self.max_policy_lag >= 0, "rollouts", "max_policy_lag", "must be >= 0")
         _require(self.max_version_jump >= 1, "rollouts", "max_version_jump", "must be >= 1")
+        _require(
+            self.initial_policy_version >= -1,
+            "rollouts",
+            "initial_policy_version",
+            "must be >= 0, or -1 for the first rollout's version",
+        )
         _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
         _require(self.dedup_window_groups >= 1, "rollouts", "dedup_window_groups", "must be >= 1")
         _require(

@@ -111,7 +111,7 @@ class Scheduler:
         self._payloads: dict[int, list] = {}  # batch key -> [handle, live rollouts]
         self._next_batch_key = 0
         self._next_arrival = 0
-        self._newest_version = -1
+        self._newest_version = config.rollouts.initial_policy_version  # -1: none seen yet
         self._buffered_rollouts = 0
         self._buffered_bytes = 0
         self._steps: dict[int, _Step] = {}

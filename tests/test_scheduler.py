@@ -157,6 +157,24 @@ def test_the_first_rollout_sets_the_version_baseline_and_jumps_up_to_the_limit_p
     assert ingest(scheduler, rollouts, [0, 5]).accepted == 1  # a duplicate is not checked
 
 
+def test_a_configured_initial_version_rejects_a_bogus_very_first_rollout() -> None:
+    """Without it the first rollout sets the baseline (above); with it, a bogus version on
+    the very first rollout is rejected and rollouts behind the start are stale."""
+    scheduler = make_scheduler(
+        rollouts={"initial_policy_version": 40, "max_version_jump": 3, "max_policy_lag": 2}
+    )
+    rollouts = synthetic_groups(num_groups=3, group_size=1, rng=np.random.default_rng(16))
+    rollouts.policy_versions[:] = [10**12, 37, 43]
+    with pytest.raises(
+        InvalidBatchError,
+        match=r"rollout 'g0-r0': field policy_version: 1000000000000 is more than "
+        r"max_version_jump 3 ahead of the newest policy version seen, 40",
+    ):
+        ingest(scheduler, rollouts, [0])
+    assert ingest(scheduler, rollouts, [1]).stale == 1  # 37 < 40 - max_policy_lag
+    assert ingest(scheduler, rollouts, [2]).newest_policy_version == 43
+
+
 def test_zero_advantage_groups_are_counted_and_dropped_when_configured() -> None:
     rng = np.random.default_rng(5)
     rollouts = synthetic_groups(num_groups=4, group_size=4, rng=rng)
