@@ -5,8 +5,9 @@ process of the Ray cluster (a second gRPC front-end, `rlfeed status` tooling, th
 exporter) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
 what makes the scheduler's state changes a journal-able sequence.
 
-Bulk data stays out of the actor's method queue: `ingest` gets one call per batch with
-small metadata arrays and a handle of the batch's TokenColumns, which stay in the memory of
+Bulk data stays out of the actor's method queue: `ingest` gets small metadata arrays and
+a handle of each batch's TokenColumns (one call for the batches that reach a front-end
+while its previous call is in flight), which stay in the memory of
 the gRPC front-end that decoded them (no copy into the object store). A batch that makes
 steps ready has them planned in the same call; the reply carries each step's work, and the
 front-end materializes and serves it (the bulk work stays out of the actor), then tells the
@@ -62,9 +63,14 @@ class SchedulerActor:
             else:
                 raise TypeError(f"unknown note {note!r}")
 
-    def ingest(self, notes: list, meta: BatchMeta, payload: Any) -> IngestReply:
-        """Apply `notes`, buffer one validated batch, plan every step it made ready."""
+    def ingest(self, notes: list, batches: list[tuple[BatchMeta, Any]]) -> list[IngestReply]:
+        """Apply `notes`, then each (metadata, payload handle) batch in order, exactly as
+        that many single calls would: buffer it, plan every step it made ready. Batches
+        that arrived at a front-end together share the call (`_IngestGroups`)."""
         self.apply_notes(notes)
+        return [self._ingest_one(meta, payload) for meta, payload in batches]
+
+    def _ingest_one(self, meta: BatchMeta, payload: Any) -> IngestReply:
         try:
             result = self._scheduler.ingest_batch(meta, payload)
         except (InvalidBatchError, BackpressureError) as exc:

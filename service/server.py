@@ -39,6 +39,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 
@@ -228,6 +229,67 @@ class _ActorCalls:
                 self.actor.apply_notes.remote(notes)
 
 
+class _PendingIngest:
+    """One handler thread's batch waiting in `_IngestGroups`."""
+
+    def __init__(self, meta: BatchMeta, handle: tuple[str, int] | None) -> None:
+        self.meta, self.handle = meta, handle
+        self.done = threading.Event()  # answered, or asked to lead the next call
+        self.lead = False
+        self.reply: IngestReply | None = None
+        self.error: BaseException | None = None
+
+
+class _IngestGroups:
+    """Group commit for ingest: batches that reach this front-end while its ingest call is
+    in flight go to the actor together, in one call, in arrival order; the actor applies
+    them one by one exactly as single calls. A Ray call costs the same for one batch as
+    for many, so with many producers the calls per batch fall instead of piling up.
+
+    The thread whose batch finds no call in flight leads: it sends every waiting batch,
+    answers their threads, and hands the lead to the first batch that arrived meanwhile."""
+
+    def __init__(self, send: Callable[[list], list[IngestReply]]) -> None:
+        self._send = send  # [(meta, handle)] -> one reply each, in order (one actor call)
+        self._lock = threading.Lock()
+        self._waiting: list[_PendingIngest] = []
+        self._leading = False
+
+    def ingest(self, meta: BatchMeta, handle: tuple[str, int] | None) -> IngestReply:
+        mine = _PendingIngest(meta, handle)
+        with self._lock:
+            self._waiting.append(mine)
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            mine.done.wait()
+        if lead or mine.lead:
+            self._send_waiting()
+        if mine.error is not None:
+            raise mine.error
+        return mine.reply
+
+    def _send_waiting(self) -> None:
+        with self._lock:
+            group, self._waiting = self._waiting, []
+        try:
+            batches = [(pending.meta, pending.handle) for pending in group]
+            replies = self._send(batches)
+            for pending, reply in zip(group, replies, strict=True):
+                pending.reply = reply
+        except BaseException as exc:  # every thread of the group reports it (UNAVAILABLE)
+            for pending in group:
+                pending.error = exc
+        with self._lock:
+            successor = self._waiting[0] if self._waiting else None
+            self._leading = successor is not None
+        if successor is not None:
+            successor.lead = True
+            successor.done.set()
+        for pending in group:
+            pending.done.set()
+
+
 def _unavailable_when_ray_fails(handler):
     """A dead scheduler actor or Ray connection answers UNAVAILABLE (retryable), not
     UNKNOWN with a traceback."""
@@ -266,6 +328,9 @@ class SidecarServicer:
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
         self._calls = _ActorCalls(actor)
+        self._ingest_groups = _IngestGroups(
+            lambda batches: ray.get(self._calls.submit_with_notes("ingest", batches))
+        )
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._newest_stored = -1  # the newest step this front-end stored
@@ -342,16 +407,15 @@ class SidecarServicer:
         )
 
     def _ingest(self, arrays) -> IngestReply:
-        """One actor call for a validated batch: its columns stay here under a key, the
-        actor gets the metadata and the handle (this front-end's id, key). Hands the work of
-        the steps it made ready to the assembler and frees the batches the actor released."""
+        """Buffer a validated batch in the actor: its columns stay here under a key, the
+        actor gets the metadata and the handle (this front-end's id, key), in a call shared
+        with the batches arriving alongside. Hands the work of the steps it made ready to
+        the assembler and frees the batches the actor released."""
         key = self._payloads.add(arrays.columns) if len(arrays) else None
         kept = False
         try:
             handle = (self._id, key) if key is not None else None
-            reply: IngestReply = ray.get(
-                self._calls.submit_with_notes("ingest", BatchMeta.from_arrays(arrays), handle)
-            )
+            reply = self._ingest_groups.ingest(BatchMeta.from_arrays(arrays), handle)
             kept = reply.kind == "ok" and reply.result.accepted > 0
         finally:
             if key is not None and not kept:

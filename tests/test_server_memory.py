@@ -8,6 +8,7 @@ re-fetches of retained steps must still work, released steps must still be NOT_F
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -140,3 +141,49 @@ def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materializ
     assert len(payloads) == 1 and payloads.get(second) == "columns of batch 1"
     payloads.release([second], planned_before=4, materialized_before=4)  # nothing pending
     assert len(payloads) == 0
+
+
+def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:
+    """Group commit: while one call is in flight, later batches wait and then go together,
+    in arrival order, and every thread gets its own batch's reply (or the call's error)."""
+    from rlfeed.service.server import _IngestGroups
+
+    calls, release = [], threading.Event()
+
+    def send(batches: list) -> list:
+        calls.append([meta for meta, _ in batches])
+        if len(calls) == 1:
+            release.wait(timeout=30)  # the first call is slow: the others queue behind it
+        if "bad" in calls[-1]:
+            raise RuntimeError("actor died")
+        return [f"reply to {meta}" for meta, _ in batches]
+
+    groups = _IngestGroups(send)
+    replies: dict[str, object] = {}
+
+    def submit(name: str) -> None:
+        try:
+            replies[name] = groups.ingest(name, None)
+        except RuntimeError as exc:
+            replies[name] = exc
+
+    first = threading.Thread(target=submit, args=("b0",))
+    first.start()
+    while not calls:
+        time.sleep(0.001)
+    later = [threading.Thread(target=submit, args=(f"b{i}",)) for i in (1, 2, 3)]
+    for queued, thread in enumerate(later, start=1):
+        thread.start()
+        while len(groups._waiting) < queued:  # arrival order is the order sent
+            time.sleep(0.001)
+    release.set()
+    for thread in (first, *later):
+        thread.join(timeout=30)
+    assert calls == [["b0"], ["b1", "b2", "b3"]]
+    assert replies == {f"b{i}": f"reply to b{i}" for i in range(4)}
+    # A failed call fails each of its batches, and the next batch leads a new call.
+    failing = [threading.Thread(target=submit, args=(name,)) for name in ("bad", "b4")]
+    for thread in failing:
+        thread.start()
+        thread.join(timeout=30)
+    assert isinstance(replies["bad"], RuntimeError) and replies["b4"] == "reply to b4"
