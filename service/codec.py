@@ -315,27 +315,37 @@ def encode_microbatch_parts(microbatch: Microbatch, rollout_ids: Sequence[str]) 
     """The serialized `encode_microbatch(...)` as buffers to join (no copy made yet; the
     Arrow body buffers are views of the microbatch's arrays)."""
     arrow, size = ipc_stream_pieces(_microbatch_record_batch(microbatch))
-    rest = pb.Microbatch(**_microbatch_fields(microbatch, rollout_ids))
-    return [
-        _MICROBATCH_ARROW_IPC_TAG,
-        _varint(size),
-        *arrow,
-        rest.SerializeToString(deterministic=True),
-    ]
+    return microbatch_parts(arrow, size, _microbatch_fields(microbatch, rollout_ids))[0]
 
 
-def join_rank_response(header: pb.GetBatchResponse, microbatches: Sequence[list]) -> bytes:
+def microbatch_parts(arrow: Sequence, arrow_size: int, fields: dict) -> tuple[list, int]:
+    """(a serialized `Microbatch` as buffers to join, its size in bytes): `arrow` (pieces of
+    `arrow_size` bytes in all) as its arrow_ipc, then `fields` (every other field, as
+    `pb.Microbatch` takes them), in the order SerializeToString(deterministic=True) writes."""
+    size_prefix = _varint(arrow_size)
+    rest = pb.Microbatch(**fields).SerializeToString(deterministic=True)
+    parts = [_MICROBATCH_ARROW_IPC_TAG, size_prefix, *arrow, rest]
+    return parts, len(_MICROBATCH_ARROW_IPC_TAG) + len(size_prefix) + arrow_size + len(rest)
+
+
+def join_rank_response(
+    header: pb.GetBatchResponse,
+    microbatches: Sequence[list],
+    sizes: Sequence[int] | None = None,
+) -> bytes:
     """Serialized GetBatchResponse: `header` (no microbatches set) + the microbatches, each
-    a list from `encode_microbatch_parts`. Byte-identical to setting `header.microbatches`
-    and calling SerializeToString(deterministic=True): fields 1-8, then 9, then 10. The
-    join is the one copy of the bulk data into the response."""
+    a list from `encode_microbatch_parts` (`sizes`: their sizes in bytes, when known).
+    Byte-identical to setting `header.microbatches` and calling
+    SerializeToString(deterministic=True): fields 1-8, then 9, then 10. The join is the one
+    copy of the bulk data into the response."""
+    if sizes is None:
+        sizes = [sum(memoryview(part).nbytes for part in parts) for parts in microbatches]
     after = pb.GetBatchResponse(num_rollouts=header.num_rollouts)
     before = pb.GetBatchResponse()
     before.CopyFrom(header)
     before.ClearField("num_rollouts")
     pieces = [before.SerializeToString(deterministic=True)]
-    for parts in microbatches:
-        size = sum(memoryview(part).nbytes for part in parts)
+    for parts, size in zip(microbatches, sizes, strict=True):
         pieces += [_RESPONSE_MICROBATCH_TAG, _varint(size), *parts]
     pieces.append(after.SerializeToString(deterministic=True))
     return b"".join(pieces)

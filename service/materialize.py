@@ -1,11 +1,13 @@
 """Turn a step plan into the serialized response of every rank, once per step.
 
 The step's rollouts live in the flat TokenColumns of the batches they arrived in. Each
-microbatch is gathered straight from those columns (`sched.gather.materialize_sequences`:
-every token copied once, no step-level intermediate) and encoded by the codec, whose Arrow
-streams reference the gathered arrays until one join writes the rank's response. The
-result is one `GetBatchResponse` bytes object per rank; these bytes are what is stored and
-served, so a re-fetch of (step, rank) is byte-identical by construction.
+rank's response is written by ONE `b"".join` of pieces that view those columns directly
+(`sched.gather.microbatch_pieces`, wrapped in Arrow and protobuf framing by
+`service.response_pieces`): the token data is copied once, into the response, and what
+must be computed (loss masks, advantages; short sequences gathered by index) goes into a
+per-thread scratch reused from step to step, so the join is the only write to fresh
+memory. The result is one `GetBatchResponse` bytes object per rank; these bytes are what
+is stored and served, so a re-fetch of (step, rank) is byte-identical by construction.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import StepPlan, TokenColumns
-from rlfeed.sched.gather import materialize_sequences
-from rlfeed.service.codec import encode_microbatch_parts, join_rank_response
+from rlfeed.sched.gather import TokenScratch
+from rlfeed.service.codec import join_rank_response
+from rlfeed.service.response_pieces import encode_spans, rank_header, step_spans, thread_scratch
 
 
 @dataclass(frozen=True)
@@ -54,41 +56,31 @@ def materialize_step(
     rollout_ids: Sequence[str],
     policy_versions: np.ndarray,
     columns: Mapping[int, TokenColumns],
+    scratch: TokenScratch | None = None,
 ) -> list[bytes]:
     """Serialized GetBatchResponse of every rank for one assembled step.
 
     rows / rollout_ids / policy_versions: per step rollout, in the order `plan` indexes.
+    scratch: per-token buffers to reuse (default: this thread's); the responses never
+    reference it. Byte-identical to encoding `materialize_sequences` of every microbatch
+    with `encode_microbatch_parts` and joining each rank with `join_rank_response`.
     """
     keys = sorted(columns)
     sources = [columns[key] for key in keys]
     source_of = np.searchsorted(keys, [key for key, _ in rows]).astype(np.int64)
     row_of = np.array([row for _, row in rows], dtype=np.int64)
-    advantages = np.asarray(plan.advantages, dtype=np.float32)
-    kept_versions = policy_versions[plan.kept] if plan.kept.size else policy_versions
-    wire_microbatches = [
-        encode_microbatch_parts(
-            materialize_sequences(
-                sources, source_of[members], row_of[members], advantages[members], members
-            ),
-            [rollout_ids[i] for i in members],
-        )
-        for members in plan.microbatches
-    ]
-    world_size = len(plan.ranks)
+    spans = step_spans(sources, plan, source_of, row_of)
+    scratch = thread_scratch() if scratch is None else scratch
     responses = []
     for rank, microbatch_indices in enumerate(plan.ranks):
-        header = pb.GetBatchResponse(
-            ready=True,
-            step=step,
-            rank=rank,
-            world_size=world_size,
-            policy_token_count=plan.policy_token_count,
-            microbatches_per_rank=plan.microbatches_per_rank,
-            policy_version=int(kept_versions.max()) if kept_versions.size else 0,
-            min_policy_version=int(kept_versions.min()) if kept_versions.size else 0,
-            num_rollouts=int(plan.kept.size),
-        )
+        # A rank's pieces view the scratch until its join: the next rank may reuse it.
+        scratch.reset()
+        wire = [
+            encode_spans(sources, spans[i], [rollout_ids[j] for j in plan.microbatches[i]], scratch)
+            for i in microbatch_indices
+        ]
+        header = rank_header(step=step, plan=plan, rank=rank, policy_versions=policy_versions)
         responses.append(
-            join_rank_response(header, [wire_microbatches[i] for i in microbatch_indices])
+            join_rank_response(header, [parts for parts, _ in wire], [size for _, size in wire])
         )
     return responses

@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.sched.assembly import Microbatch, TokenColumns, materialize_microbatch
-from rlfeed.sched.gather import materialize_sequences
+from rlfeed.sched.gather import (
+    COLUMN_DTYPES,
+    TokenScratch,
+    locate_sequences,
+    materialize_sequences,
+    microbatch_pieces,
+)
 
 FIELDS = (
     "input_ids",
@@ -116,3 +122,112 @@ def test_an_unknown_strategy_is_refused():
     batch = make_batch(np.random.default_rng(0), [4])
     with pytest.raises(ValueError, match="strategy"):
         materialize_sequences([batch], [0], [0], np.zeros(1, np.float32), [0], strategy="fast")
+
+
+def joined(pieces: dict[str, list[np.ndarray]]) -> dict[str, bytes]:
+    """What a serializer joining the pieces writes, per column."""
+    for name, parts in pieces.items():
+        for part in parts:
+            assert part.dtype == COLUMN_DTYPES[name] and part.ndim == 1, name
+            assert part.flags.c_contiguous, name
+    return {name: b"".join(parts) for name, parts in pieces.items()}
+
+
+def reference_bytes(microbatch: Microbatch) -> dict[str, bytes]:
+    return {name: getattr(microbatch, name).tobytes() for name in COLUMN_DTYPES}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch_lengths=st.lists(
+        st.lists(st.one_of(st.integers(1, 6), st.integers(300, 900)), min_size=1, max_size=6),
+        min_size=1,
+        max_size=4,
+    ),
+    cuts=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+)
+def test_joined_pieces_equal_the_reference_columns_for_every_strategy(batch_lengths, cuts, seed):
+    rng = np.random.default_rng(seed)
+    batches = [make_batch(rng, lengths) for lengths in batch_lengths]
+    columns, bases = concatenated(batches)
+    pairs = [(b, r) for b, lengths in enumerate(batch_lengths) for r in range(len(lengths))]
+    per_rollout = rng.standard_normal(columns.offsets.size - 1).astype(np.float32)
+    per_rollout[rng.random(per_rollout.size) < 0.2] = 0.0  # dropped / zero-advantage rollouts
+    scratch = TokenScratch()  # shared by every microbatch below: their pieces must not overlap
+    for strategy in ("slices", "indexed", "auto"):
+        scratch.reset()
+        taken = []
+        for picks in cuts:  # several microbatches (some empty) between two resets
+            chosen = rng.permutation(len(pairs))[: min(picks, len(pairs))]
+            source_of = np.array([pairs[i][0] for i in chosen], dtype=np.int64)
+            row_of = np.array([pairs[i][1] for i in chosen], dtype=np.int64)
+            global_rows = bases[source_of] + row_of
+            spans = locate_sequences(
+                batches, source_of, row_of, per_rollout[global_rows], global_rows
+            )
+            pieces = microbatch_pieces(batches, spans, scratch, strategy=strategy)
+            want = materialize_microbatch(columns, global_rows, per_rollout)
+            taken.append((pieces, want))
+        for pieces, want in taken:
+            assert joined(pieces) == reference_bytes(want), strategy
+
+
+def test_pieces_taken_before_the_scratch_grows_stay_valid():
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [5, 3, 2000, 4000, 7])
+    scratch = TokenScratch()
+    advantages = rng.standard_normal(5).astype(np.float32)
+    taken = []
+    for rows in ([0, 1, 4], [2, 3], [3, 0, 1, 2, 4]):  # each larger than the scratch so far
+        rows = np.array(rows)
+        spans = locate_sequences([batch], np.zeros(rows.size), rows, advantages[rows], rows)
+        pieces = microbatch_pieces([batch], spans, scratch, strategy="indexed")
+        taken.append((pieces, materialize_microbatch(batch, rows, advantages)))
+    for pieces, want in taken:
+        assert joined(pieces) == reference_bytes(want)
+
+
+def test_sources_in_other_dtypes_are_cast_as_the_reference_casts_them():
+    rng = np.random.default_rng(4)
+    batch = make_batch(rng, [700, 900, 3])
+    wide = TokenColumns(
+        offsets=batch.offsets,
+        token_ids=batch.token_ids.astype(np.int64),
+        action_mask=batch.action_mask.astype(np.int16),
+        sampler_logprobs=batch.sampler_logprobs.astype(np.float64),
+    )
+    rows, advantages = np.array([1, 2, 0]), np.array([0.5, -2.0, 1.0], np.float32)
+    want = materialize_microbatch(batch, rows, advantages)
+    for strategy in ("slices", "indexed"):
+        spans = locate_sequences([wide], np.zeros(3), rows, advantages[rows], rows)
+        pieces = microbatch_pieces([wide], spans, TokenScratch(), strategy=strategy)
+        assert joined(pieces) == reference_bytes(want), strategy
+
+
+def test_a_step_located_once_checks_each_microbatch_it_takes():
+    batch = TokenColumns(
+        offsets=np.array([0, 3, 6, 8]),
+        token_ids=np.arange(8, dtype=np.int32),
+        action_mask=np.array([0, 1, 1, 1, 1, 0, 0, 1], dtype=np.uint8),
+        sampler_logprobs=np.zeros(8, dtype=np.float32),
+    )
+    step = locate_sequences(
+        [batch], [0, 0, 0], [0, 1, 2], np.zeros(3, np.float32), [0, 1, 2], check=False
+    )
+    assert step.take(np.array([2, 0])).num_tokens == 5
+    with pytest.raises(ValueError, match="rollout 1: action_mask"):
+        step.take(np.array([0, 1]))
+
+
+def test_a_scratch_hands_out_the_same_memory_once_it_holds_a_round():
+    scratch, dtype = TokenScratch(), np.dtype(np.float32)
+
+    def one_round() -> list[np.ndarray]:
+        scratch.reset()
+        return [scratch.take("advantages", 100, dtype), scratch.take("advantages", 50, dtype)]
+
+    one_round()  # grows to hold a round
+    first, second = one_round(), one_round()
+    assert not np.shares_memory(*first)
+    assert all(np.shares_memory(a, b) for a, b in zip(first, second, strict=True))

@@ -1,0 +1,160 @@
+"""A rank's microbatches on the wire as buffers to join, straight from the ingest columns.
+
+`sched.gather.microbatch_pieces` describes each served column as pieces (views of the
+source columns, of constants, of a reused scratch); this module wraps them in the exact
+bytes `codec.encode_microbatch_parts` writes for the materialized microbatch, so that the
+one `b"".join` per rank (`codec.join_rank_response`) is the only copy of the token data
+and the only write to fresh memory.
+
+The Arrow IPC framing (schema message, record-batch metadata, padding, end-of-stream) of a
+record batch of T rows without nulls depends on T and the schema only, never on the values.
+So the writer runs on placeholder arrays of T rows and the column pieces replace the
+placeholder body buffers it hands over; the padding after each buffer is the writer's own.
+If the writer ever stops handing the body buffers over one per column, at the placeholder
+sizes, the microbatch is encoded the straightforward way instead (same bytes, slower).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+from rlfeed.client.arrow_codec import ipc_stream_pieces
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
+from rlfeed.sched.gather import (
+    COLUMN_DTYPES,
+    SequenceSpans,
+    TokenScratch,
+    locate_sequences,
+    microbatch_pieces,
+)
+from rlfeed.service.codec import encode_microbatch_parts, microbatch_parts
+
+# Pieces come in COLUMN_DTYPES order, which is MICROBATCH_SCHEMA's (a test checks).
+_WIDTHS = [field.type.byte_width for field in MICROBATCH_SCHEMA]
+
+_per_thread = threading.local()
+
+
+def thread_scratch() -> TokenScratch:
+    """This thread's TokenScratch (created on first use, kept for the thread's life)."""
+    scratch = getattr(_per_thread, "scratch", None)
+    if scratch is None:
+        scratch = _per_thread.scratch = TokenScratch()
+    return scratch
+
+
+def _placeholder(num_tokens: int) -> pa.RecordBatch:
+    """A MICROBATCH_SCHEMA batch of num_tokens rows whose values are never read. Its
+    buffers must be exactly num_tokens values long: for a longer buffer (a sliced batch)
+    the writer sends the buffer's own bytes as padding, and says so in the metadata."""
+    memory = pa.allocate_buffer(num_tokens * max(_WIDTHS))  # uninitialized: never read
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.Array.from_buffers(field.type, num_tokens, [None, memory.slice(0, size)])
+            for field, size in zip(MICROBATCH_SCHEMA, _sizes(num_tokens), strict=True)
+        ],
+        schema=MICROBATCH_SCHEMA,
+    )
+
+
+def _sizes(num_tokens: int) -> list[int]:
+    return [num_tokens * width for width in _WIDTHS]
+
+
+def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list, int] | None:
+    """(the Arrow IPC stream of one MICROBATCH_SCHEMA record batch whose columns are the
+    concatenated `columns` pieces, as buffers to join; its size), or None when the writer
+    does not hand over the body buffers one per column (then encode another way).
+
+    `columns`: name -> pieces of num_tokens values each in total (MICROBATCH_SCHEMA order);
+    num_tokens >= 1.
+    """
+    framing, stream_size = ipc_stream_pieces(_placeholder(num_tokens))
+    bodies = iter(zip(MICROBATCH_SCHEMA.names, _sizes(num_tokens), strict=True))
+    out: list = []
+    for piece in framing:
+        if not isinstance(piece, pa.Buffer):
+            out.append(piece)
+            continue
+        name, size = next(bodies, (None, 0))
+        if name is None or piece.size != size:
+            return None
+        out += columns[name]
+    if next(bodies, None) is not None:
+        return None
+    return out, stream_size
+
+
+def encode_spans(
+    sources: Sequence[TokenColumns],
+    spans: SequenceSpans,
+    rollout_ids: Sequence[str],
+    scratch: TokenScratch,
+) -> tuple[list, int]:
+    """(the serialized microbatch of `spans` as buffers to join, its size in bytes): the
+    bytes of `encode_microbatch_parts(materialize_sequences(...), rollout_ids)`. The buffers
+    view the sources and `scratch`: join them before either changes."""
+    columns = microbatch_pieces(sources, spans, scratch)
+    num_tokens = spans.num_tokens
+    stream = arrow_stream_pieces(columns, num_tokens) if num_tokens else None
+    if stream is None:  # empty (no-op) microbatch, or a writer that copies its body
+        parts = encode_microbatch_parts(_joined(columns, spans), rollout_ids)
+        return parts, sum(memoryview(part).nbytes for part in parts)
+    policy_tokens = sum(int(piece.sum(dtype=np.int64)) for piece in columns["loss_mask"])
+    fields = {
+        "cu_seqlens": spans.cu_seqlens.tolist(),
+        "max_seqlen": spans.max_seqlen,
+        "rollout_ids": list(rollout_ids),
+        "num_tokens": num_tokens,
+        "policy_tokens": policy_tokens,
+    }
+    return microbatch_parts(*stream, fields)
+
+
+def _joined(columns: dict[str, list], spans: SequenceSpans) -> Microbatch:
+    arrays = {
+        name: np.concatenate(pieces) if pieces else np.zeros(0, COLUMN_DTYPES[name])
+        for name, pieces in columns.items()
+    }
+    return Microbatch(
+        **arrays,
+        cu_seqlens=spans.cu_seqlens,
+        max_seqlen=spans.max_seqlen,
+        rollout_index=spans.rollout_index,
+    )
+
+
+def rank_header(
+    *, step: int, plan: StepPlan, rank: int, policy_versions: np.ndarray
+) -> pb.GetBatchResponse:
+    """Every GetBatchResponse field of `rank` but the microbatches; `policy_versions` is
+    int64 per step rollout, in the order `plan` indexes."""
+    kept_versions = policy_versions[plan.kept] if plan.kept.size else policy_versions
+    return pb.GetBatchResponse(
+        ready=True,
+        step=step,
+        rank=rank,
+        world_size=len(plan.ranks),
+        policy_token_count=plan.policy_token_count,
+        microbatches_per_rank=plan.microbatches_per_rank,
+        policy_version=int(kept_versions.max()) if kept_versions.size else 0,
+        min_policy_version=int(kept_versions.min()) if kept_versions.size else 0,
+        num_rollouts=int(plan.kept.size),
+    )
+
+
+def step_spans(
+    sources: Sequence[TokenColumns],
+    plan: StepPlan,
+    source_of: np.ndarray,
+    row_of: np.ndarray,
+) -> list[SequenceSpans]:
+    """The spans of every microbatch of `plan` (validated: errors name the rollout)."""
+    rollouts = np.arange(row_of.size)
+    step = locate_sequences(sources, source_of, row_of, plan.advantages, rollouts, check=False)
+    return [step.take(members) for members in plan.microbatches]
