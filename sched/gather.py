@@ -16,16 +16,18 @@ forms:
   pages runs ~7x faster than first-touching fresh ones (measured on the 2-core dev box), and
   the joined output is the one fresh write that cannot be avoided.
 
-Two gather strategies, chosen per microbatch, give identical arrays:
+Two strategies, chosen per microbatch, give identical bytes:
 
-- "slices": per sequence a few slices, no index arrays: memcpy speed plus ~1-10 us of Python
-  per sequence. Right for long sequences.
-- "indexed": per-token index arrays and one gather per source batch: ~25 ns per token and
-  nothing per sequence. Right for short sequences.
+- "slices": per sequence a few views (pieces) or slice copies (fresh arrays), no index
+  arrays: ~4 us of Python per sequence, nothing per token but the join's copy. Right for
+  long sequences.
+- "indexed": per-token index arrays and one gather per source batch and column: ~10 ns per
+  token into warm scratch and nothing per sequence. Right for short sequences.
 
 "auto" picks by the mean sequence length (`SLICE_MIN_MEAN_LENGTH`, the measured
-crossover). `tests/test_gather.py` checks every form against the reference on the
-concatenated columns.
+crossover: for a 64k-token microbatch gathered and joined, indexed wins below ~400 tokens
+per sequence, slices above ~600). `tests/test_gather.py` checks every form against the
+reference on the concatenated columns.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 from rlfeed.sched.layout import cu_seqlens_from_lengths
 
-SLICE_MIN_MEAN_LENGTH = 384
+SLICE_MIN_MEAN_LENGTH = 512
 """Tokens per sequence from which "auto" copies slices instead of gathering by index."""
 
 Strategy = Literal["auto", "slices", "indexed"]

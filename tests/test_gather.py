@@ -188,7 +188,7 @@ def test_pieces_taken_before_the_scratch_grows_stay_valid():
         assert joined(pieces) == reference_bytes(want)
 
 
-def test_sources_in_other_dtypes_are_cast_as_the_reference_casts_them():
+def test_sources_in_other_dtypes_or_strided_are_served_as_the_reference_serves_them():
     rng = np.random.default_rng(4)
     batch = make_batch(rng, [700, 900, 3])
     wide = TokenColumns(
@@ -197,12 +197,19 @@ def test_sources_in_other_dtypes_are_cast_as_the_reference_casts_them():
         action_mask=batch.action_mask.astype(np.int16),
         sampler_logprobs=batch.sampler_logprobs.astype(np.float64),
     )
+    strided = TokenColumns(  # every other entry of a twice-as-long column
+        offsets=batch.offsets,
+        token_ids=np.repeat(batch.token_ids, 2)[::2],
+        action_mask=np.repeat(batch.action_mask, 2)[::2],
+        sampler_logprobs=np.repeat(batch.sampler_logprobs, 2)[::2],
+    )
     rows, advantages = np.array([1, 2, 0]), np.array([0.5, -2.0, 1.0], np.float32)
     want = materialize_microbatch(batch, rows, advantages)
-    for strategy in ("slices", "indexed"):
-        spans = locate_sequences([wide], np.zeros(3), rows, advantages[rows], rows)
-        pieces = microbatch_pieces([wide], spans, TokenScratch(), strategy=strategy)
-        assert joined(pieces) == reference_bytes(want), strategy
+    for source in (wide, strided):
+        for strategy in ("slices", "indexed"):
+            spans = locate_sequences([source], np.zeros(3), rows, advantages[rows], rows)
+            pieces = microbatch_pieces([source], spans, TokenScratch(), strategy=strategy)
+            assert joined(pieces) == reference_bytes(want), strategy
 
 
 def test_a_step_located_once_checks_each_microbatch_it_takes():
