@@ -1,8 +1,8 @@
 """The named Ray actor that hosts the sidecar's `Scheduler` (a thin shell, no logic).
 
 One actor per sidecar, named `config.ray.actor_name` in `config.ray.namespace`, so any
-process of the Ray cluster (a second gRPC front-end, `rlfeed status` tooling, the metrics
-exporter) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
+process of the Ray cluster (`rlfeed status` tooling, the metrics exporter; later, front-end
+replicas) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
 what makes the scheduler's state changes a journal-able sequence.
 
 Bulk data stays out of the actor's method queue: `ingest` gets small metadata arrays and
@@ -19,12 +19,14 @@ response handle until the step is released (`retained_steps`): the marker of the
 front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
 object reference.
 
-Expected failures come back as values, `("ok", result)` / `("invalid", message)` /
-`("backpressure", message)`, rather than as Ray-wrapped exceptions.
+Expected failures come back as values rather than as Ray-wrapped exceptions: `("ok",
+result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest` an
+`IngestReply` per batch whose `kind` says the same.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -32,6 +34,8 @@ from rlfeed.service.config import SidecarConfig
 from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler
 from rlfeed.service.validation import InvalidBatchError
+
+_log = logging.getLogger("rlfeed.service.actors")
 
 
 class SchedulerActor:
@@ -54,14 +58,19 @@ class SchedulerActor:
         return "ok", self._scheduler.sample_tasks(n)
 
     def apply_notes(self, notes: list) -> None:
-        """Apply a front-end's StoreStepNote / FetchNote records, in order."""
+        """Apply a front-end's StoreStepNote / FetchNote records, in order. A note the
+        scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
+        fail the call it rode along with or take the notes after it down."""
         for note in notes:
-            if isinstance(note, StoreStepNote):
-                self._scheduler.store_step(note.step, note.handles, note.response_bytes)
-            elif isinstance(note, FetchNote):
-                self._scheduler.fetch_batch(note.step, note.rank)
-            else:
-                raise TypeError(f"unknown note {note!r}")
+            try:
+                if isinstance(note, StoreStepNote):
+                    self._scheduler.store_step(note.step, note.handles, note.response_bytes)
+                elif isinstance(note, FetchNote):
+                    self._scheduler.fetch_batch(note.step, note.rank)
+                else:
+                    raise ValueError("unknown kind of note")
+            except ValueError:
+                _log.exception("rlfeed scheduler: note %r refused", note)
 
     def ingest(self, notes: list, batches: list[tuple[BatchMeta, Any]]) -> list[IngestReply]:
         """Apply `notes`, then each (metadata, payload handle) batch in order, exactly as

@@ -79,7 +79,8 @@ class Scheduler:
     """All scheduling state of one sidecar. Not thread-safe: the actor serializes calls.
 
     resolve(handle) -> TokenColumns turns an ingest payload handle into columns (identity in
-    tests, `ray.get` in the actor); it is used by `assemble_ready_steps` only.
+    tests); it is used by `assemble_ready_steps` only. The actor never materializes: its
+    front-end resolves handles to the columns in its own memory.
     """
 
     def __init__(

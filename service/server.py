@@ -17,10 +17,16 @@ for the actor (`StoreStepNote`), frees the ingest columns the actor released onc
 planned step can need them, and moves the oldest responses beyond `_RESPONSE_CACHE_BYTES`
 to the object store (`move_step`), so memory stays bounded and every held step stays
 servable. Notes ride along with the next actor call (`_ActorCalls`) rather than costing a
-Ray call each. So the actor's Python loop only sees metadata, ingest and serving scale with
-front-end threads, and a producer's ack never waits for step assembly. GetBatch answers
+Ray call each, and batches arriving while an ingest call is in flight share the next one
+(`_IngestGroups`). So the actor's Python loop only sees metadata, and a producer's ack
+waits for planning (a few ms, in the actor) but never for materialization. GetBatch answers
 with the stored response bytes as they are (a pass-through serializer), so a re-fetch is
 byte-identical.
+
+One front-end per scheduler actor: `start_server` creates the actor, and the ingest columns
+a step needs are in this process. Replicas (several front-ends on one actor) are the next
+addition: they need a front-end to fetch, by handle, the columns another one holds; until
+then a step needing them fails its materialization loudly ("held by another front-end").
 
 GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
 the step; if it is still not assembled, answer OK with `ready = false` (poll again). A
@@ -67,7 +73,7 @@ from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 _log = logging.getLogger("rlfeed.service.server")
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 # A waiting GetBatch re-asks the actor this often even without a local "step assembled"
-# signal (another front-end may have assembled it).
+# signal (a step this front-end did not store; with replicas, another front-end's).
 _POLL_SECONDS = 0.25
 ASSEMBLY_RETRY_SECONDS = 1.0  # after a failed step materialization (the step is kept)
 # Notes wait for the front-end's next actor call; with none for this long, they go alone.
@@ -140,12 +146,17 @@ class _LocalPayloads:
 
     The scheduler reports a batch released when its last buffered rollout leaves the
     buffer; steps planned before may still have to read it, so the columns are freed only
-    once every step before the release's `planned_before` is materialized here."""
+    once every step before the release's `planned_before` is materialized here. Steps
+    [0, materialized_before) are all materialized (the actor this front-end started plans
+    from step 0); later ones, materialized out of order, wait in `_ahead`. Both counters
+    live under this class's lock, with the pending releases they decide."""
 
     def __init__(self) -> None:
         self._columns: dict[int, TokenColumns] = {}
         self._pending: list[tuple[int, int]] = []  # (planned_before, key)
         self._next_key = 0
+        self._materialized_before = 0
+        self._ahead: set[int] = set()
         self._lock = threading.Lock()
 
     def add(self, columns: TokenColumns) -> int:
@@ -164,22 +175,29 @@ class _LocalPayloads:
         with self._lock:
             self._columns.pop(key, None)
 
-    def release(self, keys: list[int], planned_before: int, materialized_before: int) -> None:
+    def release(self, keys: list[int], planned_before: int) -> None:
         """Free `keys` once every step < planned_before is materialized."""
         with self._lock:
             self._pending.extend((planned_before, key) for key in keys)
-        self.free_released(materialized_before)
+            self._free_released()
 
-    def free_released(self, materialized_before: int) -> None:
-        """Free the released batches no unmaterialized step can need any more."""
+    def materialized(self, step: int) -> None:
+        """Step `step` is materialized: free what no unmaterialized step can need."""
         with self._lock:
-            keep = []
-            for planned_before, key in self._pending:
-                if planned_before <= materialized_before:
-                    self._columns.pop(key, None)
-                else:
-                    keep.append((planned_before, key))
-            self._pending = keep
+            self._ahead.add(step)
+            while self._materialized_before in self._ahead:
+                self._ahead.remove(self._materialized_before)
+                self._materialized_before += 1
+            self._free_released()
+
+    def _free_released(self) -> None:
+        keep = []
+        for planned_before, key in self._pending:
+            if planned_before <= self._materialized_before:
+                self._columns.pop(key, None)
+            else:
+                keep.append((planned_before, key))
+        self._pending = keep
 
     def __len__(self) -> int:
         with self._lock:
@@ -344,10 +362,9 @@ class SidecarServicer:
         # in step order: kept until stored, so a failed materialization is retried.
         self._unstored: list[tuple[int, float, StepWork]] = []  # (step, planned at, work)
         self._unstored_lock = threading.Lock()
-        # Steps [0, _materialized_before) are all stored (the actor this front-end started
-        # plans from step 0); later ones stored out of order wait in `_stored_ahead`.
-        self._materialized_before = 0
-        self._stored_ahead: set[int] = set()
+        # Held from queueing a step's StoreStepNote until its responses are in the cache, so
+        # a fetch the actor answers with this front-end's marker finds the bytes here.
+        self._storing = threading.Lock()
         self._steps_ready = threading.Event()  # set when planned work arrives
         self._assembler: threading.Thread | None = None  # started by the first ready step
         self._assembler_lock = threading.Lock()
@@ -412,14 +429,12 @@ class SidecarServicer:
         with the batches arriving alongside. Hands the work of the steps it made ready to
         the assembler and frees the batches the actor released."""
         key = self._payloads.add(arrays.columns) if len(arrays) else None
-        kept = False
-        try:
-            handle = (self._id, key) if key is not None else None
-            reply = self._ingest_groups.ingest(BatchMeta.from_arrays(arrays), handle)
-            kept = reply.kind == "ok" and reply.result.accepted > 0
-        finally:
-            if key is not None and not kept:
-                self._payloads.discard(key)
+        handle = (self._id, key) if key is not None else None
+        # A failed call keeps the columns: the batch may have been buffered before the
+        # failure (a dead actor takes the whole sidecar down anyway).
+        reply = self._ingest_groups.ingest(BatchMeta.from_arrays(arrays), handle)
+        if key is not None and not (reply.kind == "ok" and reply.result.accepted > 0):
+            self._payloads.discard(key)  # the scheduler did not keep the batch
         if reply.work:
             planned_at = time.time()
             with self._unstored_lock:
@@ -428,7 +443,7 @@ class SidecarServicer:
             self._wake_assembler()
         if reply.released_payloads:
             mine = [key for owner, key in reply.released_payloads if owner == self._id]
-            self._payloads.release(mine, reply.planned_before, self._materialized_before)
+            self._payloads.release(mine, reply.planned_before)
         return reply
 
     def _rejected(self, error: BaseException, arrays) -> None:
@@ -445,15 +460,19 @@ class SidecarServicer:
         self._steps_ready.set()
 
     def _assemble_loop(self) -> None:
-        """Assemble steps off the ingest path: the producer's ack never waits for it. With
-        nothing to assemble for NOTE_FLUSH_SECONDS, send the notes no call took along."""
+        """Assemble steps off the ingest path: the producer's ack never waits for
+        materialization. With nothing to assemble for NOTE_FLUSH_SECONDS, send the notes no
+        call took along. What to do is read from the state, not from the wake-up: work
+        inserted just after a timed-out wait is still assembled."""
         while True:
-            woken = self._steps_ready.wait(timeout=NOTE_FLUSH_SECONDS)
-            self._steps_ready.clear()  # before assembling: work arriving later wakes us again
+            self._steps_ready.wait(timeout=NOTE_FLUSH_SECONDS)
+            self._steps_ready.clear()  # before reading the state: later work wakes us again
             if self._stopping:
                 return
             try:
-                if woken:
+                with self._unstored_lock:
+                    has_work = bool(self._unstored)
+                if has_work:
                     self._assemble()
                 else:
                     self._calls.flush()
@@ -464,11 +483,13 @@ class SidecarServicer:
                     self._steps_ready.set()
 
     def _assemble(self) -> None:
-        """Materialize every planned step here (this thread's CPU, not the actor's), keep
-        the responses in this front-end's memory and note the step stored for the actor.
+        """Materialize every planned step, lowest first, here (this thread's CPU, not the
+        actor's), keep the responses in this front-end's memory and note the step stored
+        for the actor.
 
         The StoreStepNote is queued before the step enters the local cache, so any
-        FetchNote of the step is queued (and reaches the actor) after it."""
+        FetchNote of the step is queued (and reaches the actor) after it; `_storing` covers
+        both, for a fetch answered with this front-end's marker in between."""
         while True:
             with self._unstored_lock:
                 if not self._unstored:
@@ -480,19 +501,16 @@ class SidecarServicer:
             # fetch can see the step.
             record = replace(work.record, response_bytes=size)
             notify(self.events, "on_step", record, responses=responses, ready_time=planned_at)
-            self._calls.note(StoreStepNote(step, [self._marker] * len(responses), size))
-            self._responses.put(step, responses)
+            with self._storing:
+                self._calls.note(StoreStepNote(step, [self._marker] * len(responses), size))
+                self._responses.put(step, responses)
             with self._steps_changed:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, step)
                 self._steps_changed.notify_all()
-            with self._unstored_lock:
-                self._unstored.pop(0)
-            self._stored_ahead.add(step)
-            while self._materialized_before in self._stored_ahead:
-                self._stored_ahead.remove(self._materialized_before)
-                self._materialized_before += 1
-        self._payloads.free_released(self._materialized_before)
+            with self._unstored_lock:  # work for a lower step may have arrived meanwhile
+                del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
+            self._payloads.materialized(step)
         self._move_out_old_steps()
 
     def _resolve_payload(self, handle: tuple[str, int]) -> TokenColumns:
@@ -602,6 +620,9 @@ class SidecarServicer:
         memory, or the object store; None if the handle is this front-end's marker but the
         step has left its memory (moved out: ask again) or another front-end's marker."""
         cached = self._responses.get(step)
+        if cached is None and handle == self._marker:
+            with self._storing:  # the actor may have seen the note before the cache the bytes
+                cached = self._responses.get(step)
         if cached is not None:
             return cached[rank]
         if isinstance(handle, list):  # [ObjectRef]

@@ -132,14 +132,16 @@ def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materializ
 
     payloads = _LocalPayloads()
     first, second = payloads.add("columns of batch 0"), payloads.add("columns of batch 1")
+    payloads.materialized(0)
+    payloads.materialized(1)
     # Released by the call that planned step 3, while steps 2 and 3 are not materialized.
-    payloads.release([first], planned_before=4, materialized_before=2)
+    payloads.release([first], planned_before=4)
     assert payloads.get(first) == "columns of batch 0"
-    payloads.free_released(materialized_before=3)
+    payloads.materialized(3)  # out of order: step 2 could still need it
     assert len(payloads) == 2
-    payloads.free_released(materialized_before=4)
+    payloads.materialized(2)
     assert len(payloads) == 1 and payloads.get(second) == "columns of batch 1"
-    payloads.release([second], planned_before=4, materialized_before=4)  # nothing pending
+    payloads.release([second], planned_before=4)  # nothing before step 4 is pending
     assert len(payloads) == 0
 
 
