@@ -145,7 +145,7 @@ def locate_sequences(
     n = row_of.size
     starts, lengths = np.zeros(n, np.int64), np.zeros(n, np.int64)
     first_mask = np.zeros(n, np.uint8)
-    used = np.unique(source_of).tolist()
+    used = _used_sources(source_of)
     for key in used:
         mine = source_of == key if len(used) > 1 else slice(None)
         offsets = np.asarray(sources[key].offsets, dtype=np.int64)
@@ -166,6 +166,13 @@ def locate_sequences(
     if check:
         spans.check()
     return spans
+
+
+def _used_sources(source_of: np.ndarray) -> list[int]:
+    """The distinct source indices, ascending (one source is the common case: no sort)."""
+    if source_of.size and source_of.min() == source_of.max():
+        return [int(source_of[0])]
+    return np.unique(source_of).tolist()
 
 
 def _pick(strategy: Strategy, spans: SequenceSpans) -> Strategy:
@@ -255,7 +262,7 @@ def _gather_indexed(
     np.subtract(counting, np.repeat(spans.cu_seqlens[:-1], lengths), out=positions)
     here = scratch.take("token_index", total, np.dtype(np.int64))  # index in its source
     np.add(np.repeat(spans.starts, lengths), positions, out=here)
-    used = np.unique(spans.source_of).tolist()
+    used = _used_sources(spans.source_of)
     owner = np.repeat(spans.source_of, lengths) if len(used) > 1 else None  # token -> source
     for key in used:
         source = sources[key]
@@ -335,7 +342,7 @@ def microbatch_pieces(
     """
     strategy = _pick(strategy, spans)
     if strategy == "slices" and all(
-        _viewable(sources[key]) for key in np.unique(spans.source_of).tolist()
+        _viewable(sources[key]) for key in _used_sources(spans.source_of)
     ):
         return _slice_pieces(sources, spans, scratch)
     total = spans.num_tokens

