@@ -2,31 +2,26 @@
 
 `assembly.materialize_microbatch` is the reference: it reads ONE set of flat columns
 through per-token index arrays. A step's rollouts live in the columns of the ingest batches
-they arrived in; this module writes the same columns from those batches directly, in two
-forms:
-
-- `materialize_sequences`: a `Microbatch` of fresh arrays (the straightforward form).
-- `microbatch_pieces`: per served column, a list of arrays whose concatenation IS the
-  column. A serializer that joins them copies every token exactly once, into its output.
-  Long sequences are not gathered at all: their pieces are views of the source columns
-  (the targets are the same tokens shifted by one, plus a constant 0 at each sequence end;
-  position ids are a shared `arange`); only the loss mask and the advantages are written,
-  into a caller-owned `TokenScratch` reused from step to step. Short sequences are gathered
-  by index into that scratch. Scratch memory is warm after its first use: rewriting warm
-  pages runs ~7x faster than first-touching fresh ones (measured on the 2-core dev box), and
-  the joined output is the one fresh write that cannot be avoided.
+they arrived in; this module writes the same columns from those batches directly, as
+`materialize_sequences` (a `Microbatch` of fresh arrays, the straightforward form) or as
+`microbatch_pieces`: per served column, arrays whose concatenation IS the column, so a
+serializer that joins them copies every token once, into its output. Long sequences are
+not gathered at all: their pieces view the source columns (targets are the tokens shifted
+by one plus a constant 0 per sequence end; position ids a shared `arange`); the loss mask
+and advantages, and short sequences' gathers, go into a caller-owned `TokenScratch` reused
+from step to step, because rewriting warm pages runs ~7x faster than first-touching fresh
+ones (measured on the 2-core dev box).
 
 Two strategies, chosen per microbatch, give identical bytes:
 
-- "slices": per sequence a few views (pieces) or slice copies (fresh arrays), no index
-  arrays: ~4 us of Python per sequence, nothing per token but the join's copy. Right for
-  long sequences.
+- "slices": per sequence a few views (pieces) or slice copies (fresh arrays): ~4 us of
+  Python per sequence, nothing per token but the copy. Right for long sequences.
 - "indexed": per-token index arrays and one gather per source batch and column: ~10 ns per
-  token into warm scratch and nothing per sequence. Right for short sequences.
+  token into warm scratch, nothing per sequence. Right for short sequences.
 
-"auto" picks by the mean sequence length (`SLICE_MIN_MEAN_LENGTH`, the measured
-crossover: for a 64k-token microbatch gathered and joined, indexed wins below ~400 tokens
-per sequence, slices above ~600). `tests/test_gather.py` checks every form against the
+"auto" picks by the mean sequence length (`SLICE_MIN_MEAN_LENGTH`, the measured crossover
+for a 64k-token microbatch gathered and joined: indexed wins below ~400 tokens per
+sequence, slices above ~600). `tests/test_gather.py` checks every form against the
 reference on the concatenated columns.
 """
 
@@ -58,14 +53,10 @@ COLUMN_DTYPES = {
 _GATHERED = ("input_ids", "target_ids", "loss_mask", "sampler_logprobs")
 
 
-def _constant_zero(dtype: type) -> np.ndarray:
-    zero = np.zeros(1, dtype)
-    zero.flags.writeable = False  # shared by every caller: must never change
-    return zero
-
-
-# What a sequence's last position holds in target_ids / sampler_logprobs.
-_ZERO_INT32, _ZERO_FLOAT32 = _constant_zero(np.int32), _constant_zero(np.float32)
+# What a sequence's last position holds in target_ids / sampler_logprobs: shared by every
+# caller, so read-only.
+_ZERO_INT32, _ZERO_FLOAT32 = np.zeros(1, np.int32), np.zeros(1, np.float32)
+_ZERO_INT32.flags.writeable = _ZERO_FLOAT32.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -252,7 +243,7 @@ def _gather_indexed(
 
     Per-token temporaries live in `scratch` or die before the next is made: several fresh
     ones alive at once get their pages back from the allocator, and page faults on every
-    call (measured: 2x the cost of the whole gather)."""
+    call (measured: the gather took twice as long)."""
     total, lengths = spans.num_tokens, spans.lengths
     if total == 0:
         return

@@ -203,9 +203,15 @@ def test_sources_in_other_dtypes_or_strided_are_served_as_the_reference_serves_t
         action_mask=np.repeat(batch.action_mask, 2)[::2],
         sampler_logprobs=np.repeat(batch.sampler_logprobs, 2)[::2],
     )
+    narrow_mask = TokenColumns(  # token ids and log-probs still served as views
+        offsets=batch.offsets,
+        token_ids=batch.token_ids,
+        action_mask=batch.action_mask.astype(np.int16),
+        sampler_logprobs=batch.sampler_logprobs,
+    )
     rows, advantages = np.array([1, 2, 0]), np.array([0.5, -2.0, 1.0], np.float32)
     want = materialize_microbatch(batch, rows, advantages)
-    for source in (wide, strided):
+    for source in (wide, strided, narrow_mask):
         for strategy in ("slices", "indexed"):
             spans = locate_sequences([source], np.zeros(3), rows, advantages[rows], rows)
             pieces = microbatch_pieces([source], spans, TokenScratch(), strategy=strategy)
