@@ -1,7 +1,8 @@
 """End-to-end throughput: producers submit, trainer ranks pull, next to a bare gRPC stream.
 
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
-      [--producers 2] [--in-flight 1] [--rollouts N] [--repeats 1] [--stages]
+      [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
+      [--stages] [--cpu]
 Cost: about a minute on 2 cores (Ray start-up included), both cases, one repeat; each
 further repeat about 20 s per case.
 
@@ -519,6 +520,11 @@ def main() -> None:
     parser.add_argument("--case", choices=("long", "short", "both"), default="both")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--rollouts", type=int, help="override the case's rollout count")
+    parser.add_argument(
+        "--batch-rollouts",
+        type=int,
+        help="rollouts per RolloutWriter batch (default: the case's, 16 long / 2048 short)",
+    )
     parser.add_argument("--stages", action="store_true", help="time each stage alone first")
     parser.add_argument(
         "--in-flight", type=int, default=1, help="batches each producer keeps in flight"
@@ -536,7 +542,7 @@ def main() -> None:
         if args.rollouts:
             per_step = prompts * group
             rollouts = max(per_step, args.rollouts // per_step * per_step)
-        case = Case(name, tokens, rollouts, prompts, group, batch, budget)
+        case = Case(name, tokens, rollouts, prompts, group, args.batch_rollouts or batch, budget)
         run_case(case, args.producers, args.in_flight, args.stages, args.repeats, args.cpu)
 
 
