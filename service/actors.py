@@ -75,7 +75,7 @@ class SchedulerActor:
     def ingest(self, notes: list, batches: list[tuple[BatchMeta, Any]]) -> list[IngestReply]:
         """Apply `notes`, then each (metadata, payload handle) batch in order, exactly as
         that many single calls would: buffer it, plan every step it made ready. Batches
-        that arrived at a front-end together share the call (`_IngestGroups`)."""
+        that arrived at a front-end together share the call (`IngestGroups`)."""
         self.apply_notes(notes)
         return [self._ingest_one(meta, payload) for meta, payload in batches]
 

@@ -7,7 +7,7 @@ NOT_SERVING, waiting GetBatch calls are released, the server drains for `grace` 
 the actor is killed and Ray is shut down if this process started it.
 
 Per rollout batch the handler thread decodes the Arrow payload and validates it
-(vectorized numpy), keeps the columns in this process under a key (`_LocalPayloads`; no
+(vectorized numpy), keeps the columns in this process under a key (`LocalPayloads`; no
 copy into the object store) and sends the actor one call with metadata arrays and the
 handle (front-end id, key); the ack answers from its result. A batch that completes a step
 has the step planned in the same call: the handler hands the work to this front-end's
@@ -16,9 +16,9 @@ work, here and not in the actor), keeps the bytes in its memory and notes the st
 for the actor (`StoreStepNote`), frees the ingest columns the actor released once no
 planned step can need them, and moves the oldest responses beyond `_RESPONSE_CACHE_BYTES`
 to the object store (`move_step`), so memory stays bounded and every held step stays
-servable. Notes ride along with the next actor call (`_ActorCalls`) rather than costing a
+servable. Notes ride along with the next actor call (`ActorCalls`) rather than costing a
 Ray call each, and batches arriving while an ingest call is in flight share the next one
-(`_IngestGroups`). So the actor's Python loop only sees metadata, and a producer's ack
+(`IngestGroups`). So the actor's Python loop only sees metadata, and a producer's ack
 waits for planning (a few ms, in the actor) but never for materialization. GetBatch answers
 with the stored response bytes as they are (a pass-through serializer), so a re-fetch is
 byte-identical.
@@ -44,8 +44,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 
@@ -56,6 +54,7 @@ from grpc_reflection.v1alpha import reflection
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.sched.assembly import TokenColumns
+from rlfeed.service.actor_link import ActorCalls, IngestGroups
 from rlfeed.service.actors import create_scheduler_actor
 from rlfeed.service.codec import (
     RolloutBatchView,
@@ -65,6 +64,7 @@ from rlfeed.service.codec import (
 )
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.events import ServerEvents, notify
+from rlfeed.service.frontend_memory import LocalPayloads, ResponseCache
 from rlfeed.service.materialize import StepWork, materialize_work
 from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta
@@ -84,228 +84,6 @@ NOTE_FLUSH_SECONDS = 0.05
 # this size; beyond it the oldest steps the actor still holds move to the object store
 # (`move_step`) and released ones are dropped.
 _RESPONSE_CACHE_BYTES = 256 * 2**20
-
-
-class _ResponseCache:
-    """step -> every rank's response bytes, in the order stored; it also remembers which
-    ranks this front-end has served each step to. Nothing leaves it on its own: the
-    assembler moves old steps out (`oldest_beyond`, `drop`)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._steps: OrderedDict[int, tuple[list[bytes], set[int]]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def put(self, step: int, responses: list[bytes]) -> None:
-        with self._lock:
-            self._steps[step] = (responses, set())
-            self._bytes += sum(map(len, responses))
-
-    def get(self, step: int) -> list[bytes] | None:
-        with self._lock:
-            held = self._steps.get(step)
-            return held[0] if held is not None else None
-
-    def first_fetch(self, step: int, rank: int) -> bytes | None:
-        """The response if the step is here and this is the rank's first fetch of it from
-        this front-end (then noted); None otherwise. 0 <= rank < world_size is the caller's
-        check."""
-        with self._lock:
-            held = self._steps.get(step)
-            if held is None or rank in held[1]:
-                return None
-            held[1].add(rank)
-            return held[0][rank]
-
-    def oldest_beyond(self) -> list[int]:
-        """Oldest steps to drop for the rest to fit in 3/4 of max_bytes (none while the
-        whole fits in max_bytes): a few large rounds, not one per step."""
-        with self._lock:
-            if self._bytes <= self.max_bytes:
-                return []
-            steps, remaining = [], self._bytes
-            for step, (responses, _) in self._steps.items():
-                if remaining <= self.max_bytes * 3 // 4:
-                    break
-                steps.append(step)
-                remaining -= sum(map(len, responses))
-            return steps
-
-    def drop(self, steps: list[int]) -> None:
-        with self._lock:
-            for step in steps:
-                held = self._steps.pop(step, None)
-                if held is not None:
-                    self._bytes -= sum(map(len, held[0]))
-
-
-class _LocalPayloads:
-    """The TokenColumns of the ingest batches this front-end decoded, by key, kept here
-    (not copied into the object store) until the scheduler no longer needs them.
-
-    The scheduler reports a batch released when its last buffered rollout leaves the
-    buffer; steps planned before may still have to read it, so the columns are freed only
-    once every step before the release's `planned_before` is materialized here. Steps
-    [0, materialized_before) are all materialized (the actor this front-end started plans
-    from step 0); later ones, materialized out of order, wait in `_ahead`. Both counters
-    live under this class's lock, with the pending releases they decide."""
-
-    def __init__(self) -> None:
-        self._columns: dict[int, TokenColumns] = {}
-        self._pending: list[tuple[int, int]] = []  # (planned_before, key)
-        self._next_key = 0
-        self._materialized_before = 0
-        self._ahead: set[int] = set()
-        self._lock = threading.Lock()
-
-    def add(self, columns: TokenColumns) -> int:
-        with self._lock:
-            key = self._next_key
-            self._next_key += 1
-            self._columns[key] = columns
-            return key
-
-    def get(self, key: int) -> TokenColumns:
-        with self._lock:
-            return self._columns[key]
-
-    def discard(self, key: int) -> None:
-        """Free a batch the scheduler did not keep (rejected, or nothing accepted)."""
-        with self._lock:
-            self._columns.pop(key, None)
-
-    def release(self, keys: list[int], planned_before: int) -> None:
-        """Free `keys` once every step < planned_before is materialized."""
-        with self._lock:
-            self._pending.extend((planned_before, key) for key in keys)
-            self._free_released()
-
-    def materialized(self, step: int) -> None:
-        """Step `step` is materialized: free what no unmaterialized step can need."""
-        with self._lock:
-            self._ahead.add(step)
-            while self._materialized_before in self._ahead:
-                self._ahead.remove(self._materialized_before)
-                self._materialized_before += 1
-            self._free_released()
-
-    def _free_released(self) -> None:
-        keep = []
-        for planned_before, key in self._pending:
-            if planned_before <= self._materialized_before:
-                self._columns.pop(key, None)
-            else:
-                keep.append((planned_before, key))
-        self._pending = keep
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._columns)
-
-
-class _ActorCalls:
-    """This front-end's calls to the scheduler actor, submitted in one order, with the
-    pending notes (StoreStepNote / FetchNote) riding along on the next call.
-
-    Taking the notes and submitting the call happen under one lock: Ray runs one caller's
-    calls to an actor in submission order, so the actor sees a step's StoreStepNote before
-    any FetchNote of it, and both before any later call of this front-end."""
-
-    def __init__(self, actor: ray.actor.ActorHandle) -> None:
-        self.actor = actor
-        self._notes: list = []
-        self._notes_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
-
-    def note(self, note: StoreStepNote | FetchNote) -> None:
-        with self._notes_lock:
-            self._notes.append(note)
-
-    def _take_notes(self) -> list:
-        with self._notes_lock:
-            notes, self._notes = self._notes, []
-            return notes
-
-    def submit_with_notes(self, method: str, *args) -> ray.ObjectRef:
-        """`actor.method(notes, *args)`, for the methods that take the notes first."""
-        with self._submit_lock:
-            return getattr(self.actor, method).remote(self._take_notes(), *args)
-
-    def submit(self, method: str, *args) -> ray.ObjectRef:
-        """`actor.method(*args)`, after the pending notes (sent alone if there are any)."""
-        with self._submit_lock:
-            notes = self._take_notes()
-            if notes:
-                self.actor.apply_notes.remote(notes)
-            return getattr(self.actor, method).remote(*args)
-
-    def flush(self) -> None:
-        with self._submit_lock:
-            notes = self._take_notes()
-            if notes:
-                self.actor.apply_notes.remote(notes)
-
-
-class _PendingIngest:
-    """One handler thread's batch waiting in `_IngestGroups`."""
-
-    def __init__(self, meta: BatchMeta, handle: tuple[str, int] | None) -> None:
-        self.meta, self.handle = meta, handle
-        self.done = threading.Event()  # answered, or asked to lead the next call
-        self.lead = False
-        self.reply: IngestReply | None = None
-        self.error: BaseException | None = None
-
-
-class _IngestGroups:
-    """Group commit for ingest: batches that reach this front-end while its ingest call is
-    in flight go to the actor together, in one call, in arrival order; the actor applies
-    them one by one exactly as single calls. A Ray call costs the same for one batch as
-    for many, so with many producers the calls per batch fall instead of piling up.
-
-    The thread whose batch finds no call in flight leads: it sends every waiting batch,
-    answers their threads, and hands the lead to the first batch that arrived meanwhile."""
-
-    def __init__(self, send: Callable[[list], list[IngestReply]]) -> None:
-        self._send = send  # [(meta, handle)] -> one reply each, in order (one actor call)
-        self._lock = threading.Lock()
-        self._waiting: list[_PendingIngest] = []
-        self._leading = False
-
-    def ingest(self, meta: BatchMeta, handle: tuple[str, int] | None) -> IngestReply:
-        mine = _PendingIngest(meta, handle)
-        with self._lock:
-            self._waiting.append(mine)
-            lead = not self._leading
-            self._leading = True
-        if not lead:
-            mine.done.wait()
-        if lead or mine.lead:
-            self._send_waiting()
-        if mine.error is not None:
-            raise mine.error
-        return mine.reply
-
-    def _send_waiting(self) -> None:
-        with self._lock:
-            group, self._waiting = self._waiting, []
-        try:
-            batches = [(pending.meta, pending.handle) for pending in group]
-            replies = self._send(batches)
-            for pending, reply in zip(group, replies, strict=True):
-                pending.reply = reply
-        except BaseException as exc:  # every thread of the group reports it (UNAVAILABLE)
-            for pending in group:
-                pending.error = exc
-        with self._lock:
-            successor = self._waiting[0] if self._waiting else None
-            self._leading = successor is not None
-        if successor is not None:
-            successor.lead = True
-            successor.done.set()
-        for pending in group:
-            pending.done.set()
 
 
 def _unavailable_when_ray_fails(handler):
@@ -345,19 +123,19 @@ class SidecarServicer:
         self.config = config
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
-        self._calls = _ActorCalls(actor)
-        self._ingest_groups = _IngestGroups(
+        self._calls = ActorCalls(actor)
+        self._ingest_groups = IngestGroups(
             lambda batches: ray.get(self._calls.submit_with_notes("ingest", batches))
         )
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._newest_stored = -1  # the newest step this front-end stored
         self._stopping = False
-        self._responses = _ResponseCache(_RESPONSE_CACHE_BYTES)
+        self._responses = ResponseCache(_RESPONSE_CACHE_BYTES)
         self._id = uuid.uuid4().hex
         # The handle the actor keeps for a step whose bytes are in this front-end's memory.
         self._marker = ("front-end", self._id)
-        self._payloads = _LocalPayloads()
+        self._payloads = LocalPayloads()
         # Steps the actor planned (and so removed from its buffer) that are not stored yet,
         # in step order: kept until stored, so a failed materialization is retried.
         self._unstored: list[tuple[int, float, StepWork]] = []  # (step, planned at, work)

@@ -128,9 +128,9 @@ def test_ingest_columns_are_freed_and_first_fetches_reach_the_actor(make_sidecar
 
 
 def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materialized() -> None:
-    from rlfeed.service.server import _LocalPayloads
+    from rlfeed.service.frontend_memory import LocalPayloads
 
-    payloads = _LocalPayloads()
+    payloads = LocalPayloads()
     first, second = payloads.add("columns of batch 0"), payloads.add("columns of batch 1")
     payloads.materialized(0)
     payloads.materialized(1)
@@ -148,7 +148,7 @@ def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materializ
 def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:
     """Group commit: while one call is in flight, later batches wait and then go together,
     in arrival order, and every thread gets its own batch's reply (or the call's error)."""
-    from rlfeed.service.server import _IngestGroups
+    from rlfeed.service.actor_link import IngestGroups
 
     calls, release = [], threading.Event()
 
@@ -160,7 +160,7 @@ def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:
             raise RuntimeError("actor died")
         return [f"reply to {meta}" for meta, _ in batches]
 
-    groups = _IngestGroups(send)
+    groups = IngestGroups(send)
     replies: dict[str, object] = {}
 
     def submit(name: str) -> None:

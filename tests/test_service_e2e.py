@@ -373,19 +373,23 @@ def _rlfeed(*args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Po
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
 
+def _listening_address(server: subprocess.Popen) -> str:
+    """The HOST:PORT a background `rlfeed serve` prints once it is serving."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        assert line or server.poll() is None, "rlfeed serve exited during start-up"
+        if line.startswith("rlfeed serve: listening on "):
+            return line.split()[4]
+    raise AssertionError("rlfeed serve did not print its address")
+
+
 def test_rlfeed_serve_answers_health_and_status_then_stops_on_sigterm(tmp_path) -> None:
     config = tmp_path / "sidecar.toml"
     config.write_text('[batching]\nworld_size = 2\n[ray]\nactor_name = "serve-under-test"\n')
     server = _rlfeed("serve", "--config", str(config), "--port", "0", background=True)
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "rlfeed serve exited during start-up"
-            if line.startswith("rlfeed serve: listening on "):
-                address = line.split()[4]
-        assert address, "rlfeed serve did not print its address"
+        address = _listening_address(server)
         with grpc.insecure_channel(address) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10
@@ -531,13 +535,7 @@ def test_rlfeed_serve_joins_a_running_ray_cluster_and_leaves_it_running(tmp_path
             background=True,
             env=auth,
         )
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "rlfeed serve exited during start-up"
-            if line.startswith("rlfeed serve: listening on "):
-                address = line.split()[4]
+        address = _listening_address(server)
         shown = _rlfeed("status", "--address", address, "--json")
         assert shown.returncode == 0 and json.loads(shown.stdout)["health"] == "SERVING"
         found = subprocess.run(

@@ -1,0 +1,131 @@
+"""What a gRPC front-end keeps in its own memory: the ingest columns the scheduler may still
+need (`LocalPayloads`) and the responses of the steps it materialized (`ResponseCache`).
+
+Both are shared by the front-end's handler threads and its assembler thread, so each
+guards its state with its own lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from rlfeed.sched.assembly import TokenColumns
+
+
+class ResponseCache:
+    """step -> every rank's response bytes, in the order stored; it also remembers which
+    ranks this front-end has served each step to. Nothing leaves it on its own: the
+    assembler moves old steps out (`oldest_beyond`, `drop`)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._steps: OrderedDict[int, tuple[list[bytes], set[int]]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, step: int, responses: list[bytes]) -> None:
+        with self._lock:
+            self._steps[step] = (responses, set())
+            self._bytes += sum(map(len, responses))
+
+    def get(self, step: int) -> list[bytes] | None:
+        with self._lock:
+            held = self._steps.get(step)
+            return held[0] if held is not None else None
+
+    def first_fetch(self, step: int, rank: int) -> bytes | None:
+        """The response if the step is here and this is the rank's first fetch of it from
+        this front-end (then noted); None otherwise. 0 <= rank < world_size is the caller's
+        check."""
+        with self._lock:
+            held = self._steps.get(step)
+            if held is None or rank in held[1]:
+                return None
+            held[1].add(rank)
+            return held[0][rank]
+
+    def oldest_beyond(self) -> list[int]:
+        """Oldest steps to drop for the rest to fit in 3/4 of max_bytes (none while the
+        whole fits in max_bytes): a few large rounds, not one per step."""
+        with self._lock:
+            if self._bytes <= self.max_bytes:
+                return []
+            steps, remaining = [], self._bytes
+            for step, (responses, _) in self._steps.items():
+                if remaining <= self.max_bytes * 3 // 4:
+                    break
+                steps.append(step)
+                remaining -= sum(map(len, responses))
+            return steps
+
+    def drop(self, steps: list[int]) -> None:
+        with self._lock:
+            for step in steps:
+                held = self._steps.pop(step, None)
+                if held is not None:
+                    self._bytes -= sum(map(len, held[0]))
+
+
+class LocalPayloads:
+    """The TokenColumns of the ingest batches this front-end decoded, by key, kept here
+    (not copied into the object store) until the scheduler no longer needs them.
+
+    The scheduler reports a batch released when its last buffered rollout leaves the
+    buffer; steps planned before may still have to read it, so the columns are freed only
+    once every step before the release's `planned_before` is materialized here. Steps
+    [0, materialized_before) are all materialized (the actor this front-end started plans
+    from step 0); later ones, materialized out of order, wait in `_ahead`. Both counters
+    live under this class's lock, with the pending releases they decide."""
+
+    def __init__(self) -> None:
+        self._columns: dict[int, TokenColumns] = {}
+        self._pending: list[tuple[int, int]] = []  # (planned_before, key)
+        self._next_key = 0
+        self._materialized_before = 0
+        self._ahead: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, columns: TokenColumns) -> int:
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+            self._columns[key] = columns
+            return key
+
+    def get(self, key: int) -> TokenColumns:
+        with self._lock:
+            return self._columns[key]
+
+    def discard(self, key: int) -> None:
+        """Free a batch the scheduler did not keep (rejected, or nothing accepted)."""
+        with self._lock:
+            self._columns.pop(key, None)
+
+    def release(self, keys: list[int], planned_before: int) -> None:
+        """Free `keys` once every step < planned_before is materialized."""
+        with self._lock:
+            self._pending.extend((planned_before, key) for key in keys)
+            self._free_released()
+
+    def materialized(self, step: int) -> None:
+        """Step `step` is materialized: free what no unmaterialized step can need."""
+        with self._lock:
+            self._ahead.add(step)
+            while self._materialized_before in self._ahead:
+                self._ahead.remove(self._materialized_before)
+                self._materialized_before += 1
+            self._free_released()
+
+    def _free_released(self) -> None:
+        keep = []
+        for planned_before, key in self._pending:
+            if planned_before <= self._materialized_before:
+                self._columns.pop(key, None)
+            else:
+                keep.append((planned_before, key))
+        self._pending = keep
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._columns)
