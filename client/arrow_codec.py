@@ -131,16 +131,11 @@ def ipc_stream_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
     return sink.pieces, sink.size
 
 
-def _list_array(arrays: list[np.ndarray], offsets: np.ndarray, dtype: type) -> pa.ListArray:
-    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
-
-
 def encode_rollouts(rows: RolloutColumns) -> bytes:
     """Rollouts -> the Arrow IPC stream of a `RolloutBatch` (one record batch).
 
-    Per-token arrays are concatenated once per batch and wrapped as Arrow list columns
-    whose offsets are the batch's cu_seqlens; no per-token Python work.
+    Per-token arrays become Arrow list columns whose offsets are the batch's cu_seqlens;
+    their bytes are copied once, by the join (no per-token Python work).
     """
     pieces, _ = _rollout_stream_pieces(rows)
     return b"".join(pieces)
@@ -158,16 +153,71 @@ _SEQUENCE_TAG = b"\x10"  # RolloutBatch.sequence = 2, varint
 
 
 def _rollout_stream_pieces(rows: RolloutColumns) -> tuple[list, int]:
+    """The batch's Arrow IPC stream as buffers to join, whose token values are the rows'
+    own arrays: the join is the one copy of the token data. Fresh memory is costly to fill
+    (page faults), so not concatenating the values first saves a full pass over it.
+
+    The stream's framing comes from pyarrow's writer run over placeholder values of the
+    right length (untouched zero pages); the placeholder body buffers are then swapped for
+    the rows' arrays. If the writer does not hand them over as expected, the values are
+    concatenated instead (the same bytes)."""
+    offsets = _offsets(rows)
+    total = int(offsets[-1])
+    placeholders = {name: np.zeros(total, _TOKEN_DTYPES[name]) for name in TOKEN_COLUMNS}
+    pieces, size = _stream_pieces(rows, offsets, placeholders)
+    if not total:
+        return pieces, size
+    swapped = {placeholders[name].ctypes.data: name for name in TOKEN_COLUMNS}
+    out: list = []
+    for piece in pieces:
+        name = swapped.pop(piece.address, None) if isinstance(piece, pa.Buffer) else None
+        if name is None:
+            out.append(piece)
+            continue
+        arrays = getattr(rows, name)
+        if piece.size != placeholders[name].nbytes or not _joinable(arrays, name):
+            break
+        out += arrays
+    else:
+        if not swapped:
+            return out, size
+    return _stream_pieces(rows, offsets, _concatenated(rows))
+
+
+def _offsets(rows: RolloutColumns) -> np.ndarray:
     lengths = np.fromiter((a.size for a in rows.token_ids), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _joinable(arrays: list[np.ndarray], name: str) -> bool:
+    """Whether the arrays' bytes, joined, are the column's values (dtype, C order)."""
+    dtype = np.dtype(_TOKEN_DTYPES[name])
+    return all(a.dtype == dtype and a.flags.c_contiguous for a in arrays)
+
+
+def _concatenated(rows: RolloutColumns) -> dict[str, np.ndarray]:
+    return {
+        name: np.concatenate(getattr(rows, name)).astype(_TOKEN_DTYPES[name], copy=False)
+        if len(rows)
+        else np.zeros(0, _TOKEN_DTYPES[name])
+        for name in TOKEN_COLUMNS
+    }
+
+
+def _stream_pieces(
+    rows: RolloutColumns, offsets: np.ndarray, values: dict[str, np.ndarray]
+) -> tuple[list, int]:
+    """The stream of `rows` with each token column's values taken from `values`."""
+    offsets_array = pa.array(offsets)
     columns = [
         pa.array(rows.rollout_id, pa.string()),
         pa.array(rows.task_id, pa.string()),
         pa.array(rows.group_id, pa.string()),
         pa.array(rows.policy_version, pa.int64()),
         pa.array(rows.reward, pa.float64()),
-        *(_list_array(getattr(rows, n), offsets, _TOKEN_DTYPES[n]) for n in TOKEN_COLUMNS),
+        *(pa.ListArray.from_arrays(offsets_array, pa.array(values[n])) for n in TOKEN_COLUMNS),
     ]
     return ipc_stream_pieces(pa.RecordBatch.from_arrays(columns, schema=ROLLOUT_SCHEMA))
 

@@ -416,3 +416,75 @@ def test_a_transport_that_overrides_submit_is_never_bypassed():
     finally:
         plain.close()
         intercepting.close()
+
+
+def _reference_rollout_stream(rows) -> bytes:
+    """The straightforward encoding: concatenate each token column, let pyarrow write."""
+    import pyarrow as pa
+    from rlfeed.proto.arrow_schemas import ROLLOUT_SCHEMA
+
+    lengths = [a.size for a in rows.token_ids]
+    offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
+
+    def values(name, dtype):
+        arrays = getattr(rows, name)
+        return pa.array(np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype))
+
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.array(rows.rollout_id, pa.string()),
+            pa.array(rows.task_id, pa.string()),
+            pa.array(rows.group_id, pa.string()),
+            pa.array(rows.policy_version, pa.int64()),
+            pa.array(rows.reward, pa.float64()),
+            pa.ListArray.from_arrays(offsets, values("token_ids", np.int32)),
+            pa.ListArray.from_arrays(offsets, values("action_mask", np.uint8)),
+            pa.ListArray.from_arrays(offsets, values("sampler_logprobs", np.float32)),
+        ],
+        schema=ROLLOUT_SCHEMA,
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 3000), max_size=12),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_rollouts_encode_to_the_bytes_of_concatenated_columns(lengths, strided, seed) -> None:
+    """The writer joins the rows' own arrays into the stream (one copy); the bytes equal
+    pyarrow writing the concatenated columns, whatever the lengths (odd, empty, none) and
+    whether a row's arrays can be joined as they are (strided ones take the fallback)."""
+    from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
+
+    rng = np.random.default_rng(seed)
+    rows = RolloutColumns.empty()
+    for i, length in enumerate(lengths):
+        tokens = rng.integers(0, 50_000, 2 * length if strided else length).astype(np.int32)
+        rows.append(
+            rollout_id=f"r{i}", task_id=f"t{i % 3}", group_id=f"g{i // 2}", policy_version=i,
+            reward=float(i % 2), token_ids=tokens[::2] if strided else tokens,
+            action_mask=(np.arange(length) > length // 3).astype(np.uint8),
+            sampler_logprobs=-rng.random(length).astype(np.float32),
+        )  # fmt: skip
+    assert encode_rollouts(rows) == _reference_rollout_stream(rows)
+
+
+def test_the_token_values_are_joined_from_the_rows_own_arrays() -> None:
+    """The fast path is taken: the stream's pieces are the rows' arrays, not copies."""
+    from rlfeed.client.arrow_codec import _rollout_stream_pieces
+
+    rows = RolloutColumns.empty()
+    for i in range(3):
+        rows.append(
+            rollout_id=f"r{i}", task_id="t", group_id="g", policy_version=0, reward=1.0,
+            token_ids=np.arange(100, dtype=np.int32), action_mask=np.ones(100, np.uint8),
+            sampler_logprobs=np.zeros(100, np.float32),
+        )  # fmt: skip
+    pieces, _ = _rollout_stream_pieces(rows)
+    for name in ("token_ids", "action_mask", "sampler_logprobs"):
+        assert all(any(piece is array for piece in pieces) for array in getattr(rows, name))
