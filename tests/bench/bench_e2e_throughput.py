@@ -42,7 +42,9 @@ Seen on the 2-core dev machine (`--case long --rollouts 2048 --cpu`, 32 steps): 
 stream takes ~0.46 s and ~0.85 CPU-s (both ends; it already fills both cores). End to end
 takes ~1.75 s and ~3.0 CPU-s: front-end 1.0-1.3 (of which gRPC receive + send ~0.43, as
 the raw server; decode + validate + the ingest actor call ~0.3; materialization ~0.3),
-scheduler actor ~0.3, producers 2 x ~0.27, ranks 2 x ~0.3, Ray's daemons < 0.05. With
+scheduler actor ~0.3, producers 2 x ~0.27 (2 x ~0.2 since the writer joins the rows'
+arrays straight into the batch: -30% in alternating runs), ranks 2 x ~0.3, Ray's daemons
+< 0.05. With
 both cores busy the e2e / raw ratio cannot exceed about 0.85 / 3.0 here, so reaching 50%
 on 2 cores needs the whole pipeline, clients included, near twice the raw stream's CPU.
 Larger writer batches cut the per-batch costs (`--batch-rollouts 32`: ~38%).
