@@ -273,7 +273,7 @@ def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str,
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
     table = pa.ipc.open_stream(pa.py_buffer(arrow_ipc)).read_all()
-    out = {}
+    arrays = {}
     for name, dtype in MICROBATCH_COLUMNS.items():
         if name not in table.column_names:
             raise ValueError(f"served microbatch lacks column {name!r}")
@@ -288,11 +288,11 @@ def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str,
             # Widened in numpy, not with `tensor.to`: torch would parallelize this over
             # OpenMP threads, whose wake-ups cost milliseconds on a busy few-core machine.
             array = array.astype(_WIDENED[name])
-        with warnings.catch_warnings():
-            # The array views immutable message bytes; torch warns about that on every call.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            out[name] = torch.from_numpy(array)
-    return out
+        arrays[name] = array
+    with warnings.catch_warnings():
+        # The arrays view immutable message bytes; torch warns about that on every call.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
 @dataclass(frozen=True)
