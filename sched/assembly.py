@@ -121,6 +121,13 @@ class StepPlan:
     def padding_share(self) -> float:
         return _share(self.computed_positions - self.real_tokens, self.computed_positions)
 
+    def policy_version_range(self, policy_versions: np.ndarray) -> tuple[int, int]:
+        """(newest, oldest) policy version of the step's kept rollouts, of all its rollouts
+        when every one was dropped, (0, 0) for none; `policy_versions`: int64 per step
+        rollout, in the order the plan indexes."""
+        versions = policy_versions[self.kept] if self.kept.size else policy_versions
+        return (int(versions.max()), int(versions.min())) if versions.size else (0, 0)
+
     @property
     def padded_alternative_padding_share(self) -> float:
         return _share(self.padded_positions - self.real_tokens, self.padded_positions)

@@ -122,6 +122,36 @@ class StepRecord:
     min_policy_version: int
     response_bytes: int
 
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Any,
+        *,
+        step: int,
+        zero_advantage_groups_dropped: int,
+        policy_versions: tuple[int, int],
+    ) -> StepRecord:
+        """The record of `plan` (a `sched.assembly.StepPlan`) as step `step`, before its
+        responses are stored (response_bytes 0); policy_versions = (newest, oldest)."""
+        return cls(
+            step=step,
+            num_rollouts=int(plan.kept.size),
+            num_groups=plan.num_groups,
+            zero_advantage_groups=plan.zero_advantage_groups,
+            zero_advantage_groups_dropped=zero_advantage_groups_dropped,
+            policy_token_count=plan.policy_token_count,
+            real_tokens=plan.real_tokens,
+            computed_positions=plan.computed_positions,
+            padded_positions=plan.padded_positions,
+            largest_microbatch_positions=plan.largest_microbatch_positions,
+            rank_imbalance=plan.rank_imbalance,
+            lockstep_efficiency=plan.lockstep_efficiency,
+            microbatches_per_rank=plan.microbatches_per_rank,
+            policy_version=policy_versions[0],
+            min_policy_version=policy_versions[1],
+            response_bytes=0,
+        )
+
 
 @dataclass
 class Counters:

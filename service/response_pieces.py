@@ -144,7 +144,7 @@ def rank_header(
 ) -> pb.GetBatchResponse:
     """Every GetBatchResponse field of `rank` but the microbatches; `policy_versions` is
     int64 per step rollout, in the order `plan` indexes."""
-    kept_versions = policy_versions[plan.kept] if plan.kept.size else policy_versions
+    newest, oldest = plan.policy_version_range(policy_versions)
     return pb.GetBatchResponse(
         ready=True,
         step=step,
@@ -152,8 +152,8 @@ def rank_header(
         world_size=len(plan.ranks),
         policy_token_count=plan.policy_token_count,
         microbatches_per_rank=plan.microbatches_per_rank,
-        policy_version=int(kept_versions.max()) if kept_versions.size else 0,
-        min_policy_version=int(kept_versions.min()) if kept_versions.size else 0,
+        policy_version=newest,
+        min_policy_version=oldest,
         num_rollouts=int(plan.kept.size),
     )
 

@@ -522,24 +522,11 @@ class Scheduler:
         for group_id, group in groups:
             self._release_rows(group.rows)
             self._close(group_id, "assembled", group.rows)
-        kept_versions = versions[plan.kept] if plan.kept.size else versions
-        record = StepRecord(
+        record = StepRecord.from_plan(
+            plan,
             step=step,
-            num_rollouts=int(plan.kept.size),
-            num_groups=plan.num_groups,
-            zero_advantage_groups=plan.zero_advantage_groups,
             zero_advantage_groups_dropped=self._zero_dropped_since_step,
-            policy_token_count=plan.policy_token_count,
-            real_tokens=plan.real_tokens,
-            computed_positions=plan.computed_positions,
-            padded_positions=plan.padded_positions,
-            largest_microbatch_positions=plan.largest_microbatch_positions,
-            rank_imbalance=plan.rank_imbalance,
-            lockstep_efficiency=plan.lockstep_efficiency,
-            microbatches_per_rank=plan.microbatches_per_rank,
-            policy_version=int(kept_versions.max()),
-            min_policy_version=int(kept_versions.min()),
-            response_bytes=0,
+            policy_versions=plan.policy_version_range(versions),
         )
         self._steps[step] = _Step(record=record, num_rollouts=len(rows))
         self._rollouts_in_steps += len(rows)

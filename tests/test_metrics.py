@@ -63,23 +63,11 @@ def make_step(rng: np.random.Generator, groups: int, group_size: int, max_len: i
 
 def record_from_plan(plan, step: int, zero_advantage_groups_dropped: int = 0) -> StepRecord:
     """The service's record of an assembled step (what the scheduler hands the metrics)."""
-    return StepRecord(
+    return StepRecord.from_plan(
+        plan,
         step=step,
-        num_rollouts=int(plan.kept.size),
-        num_groups=plan.num_groups,
-        zero_advantage_groups=plan.zero_advantage_groups,
         zero_advantage_groups_dropped=zero_advantage_groups_dropped,
-        policy_token_count=plan.policy_token_count,
-        real_tokens=plan.real_tokens,
-        computed_positions=plan.computed_positions,
-        padded_positions=plan.padded_positions,
-        largest_microbatch_positions=plan.largest_microbatch_positions,
-        rank_imbalance=plan.rank_imbalance,
-        lockstep_efficiency=plan.lockstep_efficiency,
-        microbatches_per_rank=plan.microbatches_per_rank,
-        policy_version=0,
-        min_policy_version=0,
-        response_bytes=0,
+        policy_versions=(0, 0),
     )
 
 
