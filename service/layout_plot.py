@@ -245,6 +245,20 @@ def _sequence_categories(layout: StepLayout) -> list[np.ndarray]:
     return [cats[offsets[i] : offsets[i + 1]] for i in range(layout.lengths.size)]
 
 
+def _show(ax: Any, image: np.ndarray, width: int, rows: int, cmap: Any) -> None:
+    """Draw a category raster spanning [0, width) x rows: one colour per token category,
+    no smoothing between them."""
+    ax.imshow(
+        image,
+        cmap=cmap,
+        vmin=0,
+        vmax=len(COLORS) - 1,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(0, width, rows, 0),
+    )
+
+
 def _raster(rows: list[np.ndarray], width: int, columns: int) -> np.ndarray:
     """[len(rows), columns] categories: each row's tokens (rest EMPTY), binned to `columns`
     cells by the majority category of each bin's tokens."""
@@ -301,31 +315,14 @@ def render_layout_png(layout: StepLayout) -> bytes:
     padded_rows = [
         np.concatenate([c, np.full(longest - c.size, PADDING, np.int8)]) for c in categories
     ]
-    image = _raster(padded_rows, longest, int(panel_px * share))
-    padded_ax.imshow(
-        image,
-        cmap=cmap,
-        vmin=0,
-        vmax=len(COLORS) - 1,
-        aspect="auto",
-        interpolation="nearest",
-        extent=(0, longest, n, 0),
-    )
+    _show(padded_ax, _raster(padded_rows, longest, int(panel_px * share)), longest, n, cmap)
     packed_rows, ticks = [], []
     for i, row in enumerate(layout.rows):
         packed_rows.append(np.concatenate([categories[s] for s in row] or [np.zeros(0, np.int8)]))
         bounds = np.cumsum(layout.lengths[row])[:-1]
         ticks.extend(((b, i), (b, i + 1)) for b in bounds.tolist())
     image = _raster(packed_rows, budget, int(panel_px * (1 - share)))
-    packed_ax.imshow(
-        image,
-        cmap=cmap,
-        vmin=0,
-        vmax=len(COLORS) - 1,
-        aspect="auto",
-        interpolation="nearest",
-        extent=(0, budget, len(layout.rows), 0),
-    )
+    _show(packed_ax, image, budget, len(layout.rows), cmap)
     packed_ax.add_collection(
         LineCollection(ticks, colors=BOUNDARY_COLOR, linewidths=1.6 if len(ticks) < 400 else 0.8)
     )
