@@ -131,6 +131,30 @@ def ipc_stream_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
     return sink.pieces, sink.size
 
 
+def swap_placeholder_bodies(pieces: list, swaps: dict[int, list[tuple[int, list]]]) -> list | None:
+    """`pieces` of `ipc_stream_pieces` with the body buffers of placeholder arrays replaced
+    by the real values' pieces. An Arrow IPC stream's framing depends on the buffers' sizes,
+    never on their values, so a writer run over placeholders frames the real values too.
+
+    swaps[address] = [(size in bytes, replacement pieces), ...], in the order the writer
+    hands over the placeholder buffer at `address` (several columns may share one). None
+    unless every swap meets its buffer at its size: then encode the values directly."""
+    queues = {address: entries[::-1] for address, entries in swaps.items()}
+    out: list = []
+    for piece in pieces:
+        queue = queues.get(piece.address) if isinstance(piece, pa.Buffer) else None
+        if queue is None:
+            out.append(piece)
+            continue
+        if not queue:
+            return None
+        size, replacement = queue.pop()
+        if piece.size != size:
+            return None
+        out += replacement
+    return None if any(queues.values()) else out
+
+
 def encode_rollouts(rows: RolloutColumns) -> bytes:
     """Rollouts -> the Arrow IPC stream of a `RolloutBatch` (one record batch).
 
@@ -167,20 +191,14 @@ def _rollout_stream_pieces(rows: RolloutColumns) -> tuple[list, int]:
     pieces, size = _stream_pieces(rows, offsets, placeholders)
     if not total:
         return pieces, size
-    swapped = {placeholders[name].ctypes.data: name for name in TOKEN_COLUMNS}
-    out: list = []
-    for piece in pieces:
-        name = swapped.pop(piece.address, None) if isinstance(piece, pa.Buffer) else None
-        if name is None:
-            out.append(piece)
-            continue
-        arrays = getattr(rows, name)
-        if piece.size != placeholders[name].nbytes or not _joinable(arrays, name):
-            break
-        out += arrays
-    else:
-        if not swapped:
-            return out, size
+    if all(_joinable(getattr(rows, name), name) for name in TOKEN_COLUMNS):
+        swaps = {
+            placeholder.ctypes.data: [(placeholder.nbytes, getattr(rows, name))]
+            for name, placeholder in placeholders.items()
+        }
+        swapped = swap_placeholder_bodies(pieces, swaps)
+        if swapped is not None:
+            return swapped, size
     return _stream_pieces(rows, offsets, _concatenated(rows))
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-from rlfeed.client.arrow_codec import ipc_stream_pieces
+from rlfeed.client.arrow_codec import ipc_stream_pieces, swap_placeholder_bodies
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
 from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
@@ -48,24 +48,22 @@ def thread_scratch() -> TokenScratch:
     return scratch
 
 
-def _placeholder(num_tokens: int) -> pa.RecordBatch:
-    """A MICROBATCH_SCHEMA batch of num_tokens rows whose values are never read. Its
-    buffers must be exactly num_tokens values long: for a longer buffer (a sliced batch)
-    the writer sends the buffer's own bytes as padding, and says so in the metadata."""
+def _placeholder(num_tokens: int) -> tuple[pa.RecordBatch, dict[int, pa.Buffer]]:
+    """A MICROBATCH_SCHEMA batch of num_tokens rows whose values are never read, and its
+    buffers by byte width. They must be exactly num_tokens values long: for a longer buffer
+    (a sliced batch) the writer sends the buffer's own bytes as padding, and says so in the
+    metadata."""
     # One uninitialized buffer per width, shared by its columns: nothing reads them, and
     # slicing one buffer six ways costs more than allocating two.
     memory = {width: pa.allocate_buffer(num_tokens * width) for width in set(_WIDTHS)}
-    return pa.RecordBatch.from_arrays(
+    batch = pa.RecordBatch.from_arrays(
         [
             pa.Array.from_buffers(field.type, num_tokens, [None, memory[width]])
             for field, width in zip(MICROBATCH_SCHEMA, _WIDTHS, strict=True)
         ],
         schema=MICROBATCH_SCHEMA,
     )
-
-
-def _sizes(num_tokens: int) -> list[int]:
-    return [num_tokens * width for width in _WIDTHS]
+    return batch, memory
 
 
 def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list, int] | None:
@@ -76,20 +74,13 @@ def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list
     `columns`: name -> pieces of num_tokens values each in total (MICROBATCH_SCHEMA order);
     num_tokens >= 1.
     """
-    framing, stream_size = ipc_stream_pieces(_placeholder(num_tokens))
-    bodies = iter(zip(MICROBATCH_SCHEMA.names, _sizes(num_tokens), strict=True))
-    out: list = []
-    for piece in framing:
-        if not isinstance(piece, pa.Buffer):
-            out.append(piece)
-            continue
-        name, size = next(bodies, (None, 0))
-        if name is None or piece.size != size:
-            return None
-        out += columns[name]
-    if next(bodies, None) is not None:
-        return None
-    return out, stream_size
+    batch, memory = _placeholder(num_tokens)
+    framing, stream_size = ipc_stream_pieces(batch)
+    swaps: dict[int, list[tuple[int, list]]] = {}
+    for name, width in zip(MICROBATCH_SCHEMA.names, _WIDTHS, strict=True):
+        swaps.setdefault(memory[width].address, []).append((num_tokens * width, columns[name]))
+    out = swap_placeholder_bodies(framing, swaps)
+    return None if out is None else (out, stream_size)
 
 
 def encode_spans(
