@@ -43,7 +43,7 @@ class SchedulerActor:
 
     def __init__(self, config: SidecarConfig) -> None:
         # Never materializes (front-ends do); reports the payloads it stops needing.
-        self._scheduler = Scheduler(config, track_released_payloads=True)
+        self._scheduler = Scheduler(config, track_releases=True)
 
     def ping(self) -> bool:
         return True
@@ -93,6 +93,7 @@ class SchedulerActor:
             work=work,
             released_payloads=self._scheduler.take_released_payloads(),
             planned_before=self._scheduler.next_step,
+            released_steps=self._scheduler.take_released_steps(),
         )
 
     def record_rejection(self, notes: list) -> None:

@@ -83,8 +83,9 @@ class FetchNote:
 @dataclass(frozen=True)
 class IngestReply:
     """The actor's answer to one ingest call: the batch's outcome, the work of every step
-    the batch made ready (planned in the same call), and the ingest payloads the scheduler
-    no longer needs once every step before `planned_before` is materialized."""
+    the batch made ready (planned in the same call), the ingest payloads the scheduler
+    no longer needs once every step before `planned_before` is materialized, and the steps
+    released since the last reply (their responses can go)."""
 
     kind: str  # "ok" | "invalid" | "backpressure"
     result: IngestResult | None  # for "ok"
@@ -92,6 +93,7 @@ class IngestReply:
     work: list[Any] = field(default_factory=list)  # StepWork, in step order
     released_payloads: list[Any] = field(default_factory=list)
     planned_before: int = 0  # the scheduler's next step after this call
+    released_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,15 @@ class Scheduler:
         config: SidecarConfig,
         *,
         resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
-        track_released_payloads: bool = False,
+        track_releases: bool = False,
     ) -> None:
         self.config = config
         self._resolve = resolve
-        # When set, payload handles the scheduler stops needing are kept for
-        # `take_released_payloads` (a front-end that holds the columns frees them then).
-        self._released: list[Any] | None = [] if track_released_payloads else None
+        # When set, what the scheduler stops needing is kept for the front-end that holds
+        # the bytes, to free at once: payload handles (`take_released_payloads`) and
+        # released steps (`take_released_steps`).
+        self._released: list[Any] | None = [] if track_releases else None
+        self._released_steps: list[int] | None = [] if track_releases else None
         self._step_config = config.step_config()
         self._curriculum = config.curriculum.curriculum_config()
         self._rng = np.random.default_rng(config.curriculum.seed)
@@ -382,6 +384,16 @@ class Scheduler:
         released, self._released = self._released, []
         return released
 
+    def take_released_steps(self) -> list[int]:
+        """Steps released (no longer servable) since the last call, in release order (empty
+        unless tracking): the front-end holding their responses drops them then, so its
+        memory is reused instead of growing to its cache limit. An output, not a state
+        change."""
+        if not self._released_steps:
+            return []
+        released, self._released_steps = self._released_steps, []
+        return released
+
     def _drop_group(self, group_id: str, reason: str) -> None:
         group = self._open.pop(group_id, None) or self._complete.pop(group_id, None)
         if group is not None:
@@ -552,7 +564,10 @@ class Scheduler:
                 self._rollouts_in_steps -= held.num_rollouts
                 self._fully_fetched.append(step)
                 while len(self._fully_fetched) > self.config.batching.retained_steps:
-                    del self._steps[self._fully_fetched.popleft()]
+                    released = self._fully_fetched.popleft()
+                    del self._steps[released]
+                    if self._released_steps is not None:
+                        self._released_steps.append(released)
         return FetchResult(ready=True, payload=held.payloads[rank])
 
     @property

@@ -205,7 +205,7 @@ class SidecarServicer:
         """Buffer a validated batch in the actor: its columns stay here under a key, the
         actor gets the metadata and the handle (this front-end's id, key), in a call shared
         with the batches arriving alongside. Hands the work of the steps it made ready to
-        the assembler and frees the batches the actor released."""
+        the assembler and frees the batches and the steps' responses the actor released."""
         key = self._payloads.add(arrays.columns) if len(arrays) else None
         handle = (self._id, key) if key is not None else None
         # A failed call keeps the columns: the batch may have been buffered before the
@@ -222,6 +222,8 @@ class SidecarServicer:
         if reply.released_payloads:
             mine = [key for owner, key in reply.released_payloads if owner == self._id]
             self._payloads.release(mine, reply.planned_before)
+        if reply.released_steps:  # no longer servable: their memory goes to the next steps
+            self._responses.drop(reply.released_steps)
         return reply
 
     def _rejected(self, error: BaseException, arrays) -> None:

@@ -17,14 +17,14 @@ from rlfeed.service.testing import SyntheticRollouts, check_served_step, synthet
 from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
 
-def make_scheduler(**sections) -> Scheduler:
+def make_scheduler(*, track_releases: bool = False, **sections) -> Scheduler:
     base = {
         "rollouts": {"prompts_per_step": 2, "group_size": 4},
         "batching": {"world_size": 2, "token_budget": 256},
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
-    scheduler = Scheduler(with_overrides(SidecarConfig(), **base))
+    scheduler = Scheduler(with_overrides(SidecarConfig(), **base), track_releases=track_releases)
     scheduler.register_tasks([f"task-{i}" for i in range(64)])
     return scheduler
 
@@ -308,6 +308,24 @@ def test_steps_fetched_by_every_rank_are_released_after_retained_steps() -> None
         scheduler.fetch_batch(0, 2)
 
 
+def test_released_steps_are_reported_once_each_in_release_order() -> None:
+    """What a front-end holding the responses is told it may drop: exactly the steps that
+    fetch_batch answers as released, each once."""
+    scheduler = make_scheduler(batching={"retained_steps": 1}, track_releases=True)
+    ingest(scheduler, synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(3)))
+    assert scheduler.assemble_ready_steps() == [0, 1, 2, 3]
+    reported = []
+    for step in (0, 2, 1, 3):
+        fetch_step(scheduler, step)
+        reported += scheduler.take_released_steps()
+        assert scheduler.take_released_steps() == []
+    assert reported == [0, 2, 1]  # the newest fully fetched step is retained
+    assert all(scheduler.fetch_batch(step, 0).released for step in reported)
+    assert scheduler.fetch_batch(3, 1).ready
+    untracked = make_scheduler()
+    assert untracked.take_released_steps() == []
+
+
 def run_groups_through(scheduler: Scheduler, rollouts: SyntheticRollouts, rows) -> None:
     """Ingest `rows`, assemble what is ready and let every rank fetch it."""
     ingest(scheduler, rollouts, rows)
@@ -445,7 +463,7 @@ def test_a_payload_is_released_once_after_its_last_buffered_rollout_leaves(
         "batching": {"world_size": 2, "token_budget": 256},
         "advantages": {"drop_zero_advantage": drop_zero},
     }
-    scheduler = Scheduler(with_overrides(SidecarConfig(), **config), track_released_payloads=True)
+    scheduler = Scheduler(with_overrides(SidecarConfig(), **config), track_releases=True)
     scheduler.register_tasks([f"task-{i}" for i in range(64)])
     rng = np.random.default_rng(seed)
     old = synthetic_groups(num_groups=12, group_size=4, rng=rng, pass_rate=0.6)

@@ -61,6 +61,33 @@ def test_steps_moved_out_of_memory_are_served_byte_identical(make_sidecar) -> No
             assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_released_steps_leave_the_front_ends_memory_at_the_next_ingest(make_sidecar) -> None:
+    """A step every rank fetched, with retained_steps newer ones fetched since, is no longer
+    servable: the front-end drops its responses as soon as the actor says so (the next
+    ingest reply), instead of holding them until its cache limit."""
+    sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 1})
+    rollouts = synthetic_groups(num_groups=7, group_size=4, rng=np.random.default_rng(13))
+    with grpc.insecure_channel(sidecar.address) as channel:
+        ingest = pb_grpc.RolloutIngestStub(channel)
+        pb_grpc.TaskSamplingStub(channel).RegisterTasks(
+            pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
+        )
+        batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(range(24)), sequence=0)
+        assert ingest.SubmitRolloutBatch(batch, timeout=30).accepted == 24  # steps 0, 1, 2
+        for step in range(3):
+            check_served_step([fetch(channel, step, rank) for rank in range(2)], rollouts)
+        assert all(sidecar.servicer._responses.get(step) is not None for step in range(3))
+        half_group = pb.RolloutBatch(arrow_ipc=rollouts.encode(range(24, 26)), sequence=1)
+        assert ingest.SubmitRolloutBatch(half_group, timeout=30).accepted == 2
+        held = [sidecar.servicer._responses.get(step) is not None for step in range(3)]
+        assert held == [False, False, True]  # steps 0 and 1 released, step 2 retained
+        for step in (0, 1):
+            with pytest.raises(grpc.RpcError) as error:
+                fetch(channel, step, 1)
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert [fetch(channel, 2, rank) for rank in range(2)]  # re-fetch of the retained one
+
+
 def test_an_unfetched_step_moved_out_is_served_from_the_object_store(make_sidecar) -> None:
     sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 1})
     sidecar.servicer._responses.max_bytes = 1

@@ -32,7 +32,8 @@ rollouts/s decide the targets: >= 50% of the raw bytes rate for 8k-token rollout
 >= 20,000 rollouts/s for 100-token rollouts (`short`). `--stages` first times each stage
 alone, in one process on one step of the case's data (client encode, server decode +
 validate, plan + materialize + encode, client decode). `--cpu` prints the CPU seconds
-each process used in the end-to-end window (front-end, scheduler actor, producers, ranks,
+and minor page faults (fresh memory touched: ~1 us each in this VM) each process used in
+the end-to-end window (front-end, scheduler actor, producers, ranks,
 Ray's daemons) and those of the raw stream's two ends: on a machine with few cores the
 sum, not one process, bounds the rate. To see more, run it under a sampling profiler, e.g.
 `py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`
@@ -124,8 +125,9 @@ def payloads(case: Case, rows: list[dict]) -> list[bytes]:
 # -- end to end ---------------------------------------------------------------------------
 
 
-def cpu_snapshot() -> dict[int, tuple[str, float]]:
-    """pid -> (short command line, CPU seconds so far) of every process on the machine."""
+def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
+    """pid -> (command line, CPU seconds so far, minor page faults so far) of every process
+    on the machine."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in os.listdir("/proc"):
@@ -138,7 +140,7 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
                 command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        out[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / tick)
+        out[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / tick, int(fields[7]))
     return out
 
 
@@ -154,17 +156,20 @@ def _role(pid: int, command: str, roles: dict[int, str]) -> str:
 
 
 def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str]) -> None:
-    """CPU seconds each process (grouped by role) used in the end-to-end window."""
+    """CPU seconds and minor page faults (touching fresh memory, costly in a VM) of each
+    process, grouped by role, in the end-to-end window."""
     used: dict[str, float] = {}
-    for pid, (command, total) in after.items():
-        spent = total - before.get(pid, (command, 0.0))[1]
-        if spent > 0:
+    faults: dict[str, int] = {}
+    for pid, (command, total, faulted) in after.items():
+        _, total_before, faulted_before = before.get(pid, (command, 0.0, 0))
+        if total - total_before > 0:
             role = _role(pid, command, roles)
-            used[role] = used.get(role, 0.0) + spent
+            used[role] = used.get(role, 0.0) + total - total_before
+            faults[role] = faults.get(role, 0) + faulted - faulted_before
     print(f"  CPU in the end-to-end window ({seconds:.2f} s wall, {os.cpu_count()} cores):")
     for role, spent in sorted(used.items(), key=lambda item: -item[1]):
-        print(f"    {role:<44} {spent:6.2f} s")
-    print(f"    {'all':<44} {sum(used.values()):6.2f} s")
+        print(f"    {role:<44} {spent:6.2f} s  {faults[role]:8,} page faults")
+    print(f"    {'all':<44} {sum(used.values()):6.2f} s  {sum(faults.values()):8,} page faults")
 
 
 def producer_main(
