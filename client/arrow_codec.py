@@ -2,11 +2,12 @@
 
 Producer side: rollouts -> `RolloutBatch.arrow_ipc` (one Arrow IPC stream, the columns the
 `.proto` documents). Trainer side: a served `GetBatchResponse` -> `MicrobatchTensors`,
-torch tensors that alias the Arrow buffers wherever the dtype is what a trainer uses
-(int32 input and target ids, uint8 mask, float32 log-probs and advantages); only
-`position_ids` is widened to int64, because Hugging Face models want int64 there
-(`checkpointed_log_probs` and `nn.Embedding` take int32 ids; `torch.gather` wants
-`target_ids.long()`).
+torch tensors that alias the Arrow buffers, every column as served: int32 input ids,
+position ids and target ids, uint8 mask, float32 log-probs and advantages. Hugging Face
+models, `nn.Embedding` and `checkpointed_log_probs` take int32 ids and positions (rotary
+embeddings cast positions to float, packed-sequence detection only compares them), so no
+column is widened: a copy per microbatch would cost the trainer memory traffic for nothing
+(`torch.gather` wants `target_ids.long()`, a copy the caller makes where needed).
 
 Zero-copy tensors share memory with the received message bytes, so they are read-only in
 spirit: write into a `.clone()`, not into them.
@@ -244,7 +245,7 @@ def _stream_pieces(
 class MicrobatchTensors:
     """One served packed row of T tokens for one rank, as torch tensors.
 
-    Per token [T]: input_ids int32, position_ids int64 (restarting at 0 per sequence),
+    Per token [T]: input_ids int32, position_ids int32 (restarting at 0 per sequence),
     target_ids int32 (0 at sequence ends), loss_mask uint8, sampler_logprobs float32,
     advantages float32. Per sequence: cu_seqlens int32 [n+1], rollout_ids (n strings).
     Per step: policy_token_count is the global N over all ranks (the constant loss
@@ -277,17 +278,14 @@ class MicrobatchTensors:
 
 MICROBATCH_COLUMNS = {field.name: field.type for field in MICROBATCH_SCHEMA}
 
-_WIDENED = {"position_ids": np.int64}  # what Hugging Face models take; the rest stay as served
-
 
 def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str, torch.Tensor]:
-    """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column),
-    except the `_WIDENED` columns, which are converted copies."""
+    """Column name -> tensor aliasing the Arrow buffer (no copy for a null-free column)."""
     import torch
 
     if num_tokens == 0 and not arrow_ipc:
         return {
-            name: torch.from_numpy(np.zeros(0, dtype=_WIDENED.get(name, dtype.to_pandas_dtype())))
+            name: torch.from_numpy(np.zeros(0, dtype=dtype.to_pandas_dtype()))
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
     table = pa.ipc.open_stream(pa.py_buffer(arrow_ipc)).read_all()
@@ -301,12 +299,7 @@ def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str,
         chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         if len(chunk) != num_tokens:
             raise ValueError(f"served column {name!r} has {len(chunk)} rows, expected {num_tokens}")
-        array = chunk.to_numpy(zero_copy_only=True)
-        if name in _WIDENED:
-            # Widened in numpy, not with `tensor.to`: torch would parallelize this over
-            # OpenMP threads, whose wake-ups cost milliseconds on a busy few-core machine.
-            array = array.astype(_WIDENED[name])
-        arrays[name] = array
+        arrays[name] = chunk.to_numpy(zero_copy_only=True)
     with warnings.catch_warnings():
         # The arrays view immutable message bytes; torch warns about that on every call.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

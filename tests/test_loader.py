@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from rlfeed.client.arrow_codec import _column_tensors
+from rlfeed.client.arrow_codec import MICROBATCH_COLUMNS, _column_tensors
 from rlfeed.client.loader import BatchLoader
 from rlfeed.client.producer import RolloutWriter
 from rlfeed.client.transport import InProcessTransport
@@ -148,7 +148,7 @@ def test_tensors_have_trainer_dtypes(transport):
     produce(transport, steps=1)
     mb = all_ranks(transport, 1)[0][0][0]
     assert mb.input_ids.dtype == torch.int32
-    assert mb.position_ids.dtype == torch.int64  # what Hugging Face models take
+    assert mb.position_ids.dtype == torch.int32  # as served; Hugging Face models take it
     assert mb.cu_seqlens.dtype == torch.int32
     assert mb.target_ids.dtype == torch.int32
     assert mb.loss_mask.dtype == torch.uint8
@@ -175,7 +175,7 @@ def test_served_columns_alias_the_arrow_buffers():
     payload = sink.getvalue().to_pybytes()
     start = pa.py_buffer(payload).address
     tensors = _column_tensors(payload, 1000)
-    for name in ("input_ids", "loss_mask", "sampler_logprobs", "advantages"):
+    for name in MICROBATCH_COLUMNS:  # every column, none widened
         pointer = tensors[name].data_ptr()
         assert start <= pointer < start + len(payload), f"{name} was copied"
     np.testing.assert_array_equal(tensors["input_ids"].numpy(), values)
