@@ -20,8 +20,9 @@ class ActorCalls:
     calls to an actor in submission order, so the actor sees a step's StoreStepNote before
     any FetchNote of it, and both before any later call of this front-end."""
 
-    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+    def __init__(self, actor: ray.actor.ActorHandle, frontend_id: str) -> None:
         self.actor = actor
+        self.frontend_id = frontend_id
         self._notes: list = []
         self._notes_lock = threading.Lock()
         self._submit_lock = threading.Lock()
@@ -36,9 +37,9 @@ class ActorCalls:
             return notes
 
     def submit_with_notes(self, method: str, *args) -> ray.ObjectRef:
-        """`actor.method(notes, *args)`, for the methods that take the notes first."""
+        """`actor.method(frontend_id, notes, *args)`, for the methods that take the notes."""
         with self._submit_lock:
-            return getattr(self.actor, method).remote(self._take_notes(), *args)
+            return getattr(self.actor, method).remote(self.frontend_id, self._take_notes(), *args)
 
     def submit(self, method: str, *args) -> ray.ObjectRef:
         """`actor.method(*args)`, after the pending notes (sent alone if there are any)."""
@@ -48,11 +49,14 @@ class ActorCalls:
                 self.actor.apply_notes.remote(notes)
             return getattr(self.actor, method).remote(*args)
 
-    def flush(self) -> None:
+    def sync(self, force: bool = False) -> ray.ObjectRef | None:
+        """Send the pending notes (if any, or if `force`) in a call that answers with what
+        this front-end may free (`Releases`); None if nothing was sent."""
         with self._submit_lock:
             notes = self._take_notes()
-            if notes:
-                self.actor.apply_notes.remote(notes)
+            if notes or force:
+                return self.actor.sync.remote(self.frontend_id, notes)
+            return None
 
 
 class _PendingIngest:

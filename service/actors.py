@@ -1,7 +1,7 @@
 """The named Ray actor that hosts the sidecar's `Scheduler` (a thin shell, no logic).
 
 One actor per sidecar, named `config.ray.actor_name` in `config.ray.namespace`, so any
-process of the Ray cluster (`rlfeed status` tooling, the metrics exporter; later, front-end
+process of the Ray cluster (`rlfeed status` tooling, the metrics exporter, front-end
 replicas) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
 what makes the scheduler's state changes a journal-able sequence.
 
@@ -17,7 +17,9 @@ first, in order) instead of costing a call each: on a small machine each Ray cal
 the front-end about a millisecond of its single interpreter. The actor keeps each rank's
 response handle until the step is released (`retained_steps`): the marker of the
 front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
-object reference.
+object reference. Front-ends register with their peer address (`register_frontend`), so
+they can fetch from each other; what the scheduler stops needing is sorted per front-end
+(`_take_releases`) and handed over with its next `ingest` or `sync` answer.
 
 Expected failures come back as values rather than as Ray-wrapped exceptions: `("ok",
 result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest` an
@@ -27,26 +29,49 @@ result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import ray
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
+from rlfeed.service.records import FetchNote, IngestReply, Releases, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler
 from rlfeed.service.validation import InvalidBatchError
 
 _log = logging.getLogger("rlfeed.service.actors")
+_MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
 
 
 class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
-        # Never materializes (front-ends do); reports the payloads it stops needing.
+        # Never materializes (front-ends do); reports what it stops needing.
         self._scheduler = Scheduler(config, track_releases=True)
+        self._frontends: dict[str, str] = {}  # front-end id -> its peer address
+        # What each front-end may free, kept until its next call that returns Releases.
+        self._outbox: dict[str, tuple[list[int], list[int]]] = {}
 
     def ping(self) -> bool:
         return True
+
+    def register_frontend(self, frontend_id: str, peer_address: str) -> int:
+        """A front-end joined: other front-ends reach the ingest batches and responses it
+        holds at `peer_address`. Returns how many front-ends are registered."""
+        self._frontends[frontend_id] = peer_address
+        self._outbox.setdefault(frontend_id, ([], []))
+        return len(self._frontends)
+
+    def unregister_frontend(self, frontend_id: str) -> None:
+        """A front-end stopped: no more releases are kept for it."""
+        self._frontends.pop(frontend_id, None)
+        self._outbox.pop(frontend_id, None)
+
+    def frontend_address(self, frontend_id: str) -> str | None:
+        return self._frontends.get(frontend_id)
+
+    def frontend_count(self) -> int:
+        return len(self._frontends)
 
     def register_tasks(self, task_ids: list[str]) -> tuple[str, Any]:
         try:
@@ -56,6 +81,11 @@ class SchedulerActor:
 
     def sample_tasks(self, n: int) -> tuple[str, Any]:
         return "ok", self._scheduler.sample_tasks(n)
+
+    def sync(self, frontend_id: str, notes: list) -> Releases:
+        """Apply a front-end's notes; returns what it may free now."""
+        self.apply_notes(notes)
+        return self._take_releases(frontend_id)
 
     def apply_notes(self, notes: list) -> None:
         """Apply a front-end's StoreStepNote / FetchNote records, in order. A note the
@@ -72,12 +102,35 @@ class SchedulerActor:
             except ValueError:
                 _log.exception("rlfeed scheduler: note %r refused", note)
 
-    def ingest(self, notes: list, batches: list[tuple[BatchMeta, Any]]) -> list[IngestReply]:
+    def _take_releases(self, frontend_id: str) -> Releases:
+        """Sort what the scheduler released since the last call by front-end (a batch goes
+        to the front-end holding it, a step to every front-end: any may hold its bytes)
+        and hand `frontend_id` its share."""
+        for owner, key in self._scheduler.take_released_payloads():
+            self._outbox.setdefault(owner, ([], []))[0].append(key)
+        steps = self._scheduler.take_released_steps()
+        if steps:
+            for keys_and_steps in self._outbox.values():
+                keys_and_steps[1].extend(steps)
+                # A front-end that stopped calling must not grow this without bound; a step
+                # it misses leaves its memory with the cache limit instead.
+                del keys_and_steps[1][:-_MAX_PENDING_STEP_RELEASES]
+        keys, released_steps = self._outbox.get(frontend_id, ([], []))
+        self._outbox[frontend_id] = ([], [])
+        return Releases(payload_keys=keys, steps=released_steps)
+
+    def ingest(
+        self, frontend_id: str, notes: list, batches: list[tuple[BatchMeta, Any]]
+    ) -> list[IngestReply]:
         """Apply `notes`, then each (metadata, payload handle) batch in order, exactly as
         that many single calls would: buffer it, plan every step it made ready. Batches
-        that arrived at a front-end together share the call (`IngestGroups`)."""
+        that arrived at a front-end together share the call (`IngestGroups`). The last
+        reply carries what the front-end may free."""
         self.apply_notes(notes)
-        return [self._ingest_one(meta, payload) for meta, payload in batches]
+        replies = [self._ingest_one(meta, payload) for meta, payload in batches]
+        if replies:
+            replies[-1] = replace(replies[-1], releases=self._take_releases(frontend_id))
+        return replies
 
     def _ingest_one(self, meta: BatchMeta, payload: Any) -> IngestReply:
         try:
@@ -87,16 +140,9 @@ class SchedulerActor:
             kind = "invalid" if isinstance(exc, InvalidBatchError) else "backpressure"
             return IngestReply(kind=kind, result=None, message=str(exc))
         work = self._scheduler.plan_ready_steps() if result.steps_ready else []
-        return IngestReply(
-            kind="ok",
-            result=result,
-            work=work,
-            released_payloads=self._scheduler.take_released_payloads(),
-            planned_before=self._scheduler.next_step,
-            released_steps=self._scheduler.take_released_steps(),
-        )
+        return IngestReply(kind="ok", result=result, work=work)
 
-    def record_rejection(self, notes: list) -> None:
+    def record_rejection(self, frontend_id: str, notes: list) -> None:
         self.apply_notes(notes)
         self._scheduler.record_rejection()
 

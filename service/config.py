@@ -54,11 +54,17 @@ class ServerConfig:
     max_wait_seconds: float = _f(
         60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
     )
+    replicas: int = _f(
+        1,
+        "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
+        "scheduler actor: ingest and serving use that many interpreters' worth of cores",
+    )
 
     def __post_init__(self) -> None:
         _require(
             0 <= self.port < 65536, "server", "port", f"must be in [0, 65535], got {self.port}"
         )
+        _require(self.replicas >= 1, "server", "replicas", "must be >= 1")
         _require(0 <= self.metrics_port < 65536, "server", "metrics_port", "must be in [0, 65535]")
         _require(bool(self.metrics_host), "server", "metrics_host", "must not be empty")
         _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")

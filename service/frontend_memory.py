@@ -69,21 +69,13 @@ class ResponseCache:
 
 class LocalPayloads:
     """The TokenColumns of the ingest batches this front-end decoded, by key, kept here
-    (not copied into the object store) until the scheduler no longer needs them.
-
-    The scheduler reports a batch released when its last buffered rollout leaves the
-    buffer; steps planned before may still have to read it, so the columns are freed only
-    once every step before the release's `planned_before` is materialized here. Steps
-    [0, materialized_before) are all materialized (the actor this front-end started plans
-    from step 0); later ones, materialized out of order, wait in `_ahead`. Both counters
-    live under this class's lock, with the pending releases they decide."""
+    (not copied into the object store) until the scheduler releases them: it does so only
+    once no buffered rollout and no step still to be stored reads a batch, so a release
+    frees at once, whichever front-end materializes the steps."""
 
     def __init__(self) -> None:
         self._columns: dict[int, TokenColumns] = {}
-        self._pending: list[tuple[int, int]] = []  # (planned_before, key)
         self._next_key = 0
-        self._materialized_before = 0
-        self._ahead: set[int] = set()
         self._lock = threading.Lock()
 
     def add(self, columns: TokenColumns) -> int:
@@ -94,6 +86,7 @@ class LocalPayloads:
             return key
 
     def get(self, key: int) -> TokenColumns:
+        """KeyError if the key is not held (never added, or released)."""
         with self._lock:
             return self._columns[key]
 
@@ -102,29 +95,10 @@ class LocalPayloads:
         with self._lock:
             self._columns.pop(key, None)
 
-    def release(self, keys: list[int], planned_before: int) -> None:
-        """Free `keys` once every step < planned_before is materialized."""
+    def release(self, keys: list[int]) -> None:
         with self._lock:
-            self._pending.extend((planned_before, key) for key in keys)
-            self._free_released()
-
-    def materialized(self, step: int) -> None:
-        """Step `step` is materialized: free what no unmaterialized step can need."""
-        with self._lock:
-            self._ahead.add(step)
-            while self._materialized_before in self._ahead:
-                self._ahead.remove(self._materialized_before)
-                self._materialized_before += 1
-            self._free_released()
-
-    def _free_released(self) -> None:
-        keep = []
-        for planned_before, key in self._pending:
-            if planned_before <= self._materialized_before:
+            for key in keys:
                 self._columns.pop(key, None)
-            else:
-                keep.append((planned_before, key))
-        self._pending = keep
 
     def __len__(self) -> int:
         with self._lock:

@@ -81,19 +81,26 @@ class FetchNote:
 
 
 @dataclass(frozen=True)
+class Releases:
+    """What one front-end may free now: its ingest batches (by key) that nothing reads any
+    more (no buffered rollout, no step still to be stored), and the steps no longer
+    servable (whichever front-end holds their responses drops them)."""
+
+    payload_keys: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class IngestReply:
-    """The actor's answer to one ingest call: the batch's outcome, the work of every step
-    the batch made ready (planned in the same call), the ingest payloads the scheduler
-    no longer needs once every step before `planned_before` is materialized, and the steps
-    released since the last reply (their responses can go)."""
+    """The actor's answer to one batch of an ingest call: the batch's outcome, the work of
+    every step it made ready (planned in the same call) and, on the call's last batch, what
+    the calling front-end may free."""
 
     kind: str  # "ok" | "invalid" | "backpressure"
     result: IngestResult | None  # for "ok"
     message: str = ""  # for "invalid" / "backpressure"
     work: list[Any] = field(default_factory=list)  # StepWork, in step order
-    released_payloads: list[Any] = field(default_factory=list)
-    planned_before: int = 0  # the scheduler's next step after this call
-    released_steps: list[int] = field(default_factory=list)
+    releases: Releases = field(default_factory=Releases)
 
 
 @dataclass(frozen=True)

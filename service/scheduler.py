@@ -73,6 +73,9 @@ class _Step:
     num_rollouts: int
     payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
     fetched: set[int] = field(default_factory=set)
+    # The ingest batches the step reads, held until its responses are stored (whichever
+    # front-end materializes it, the columns must outlive that).
+    reads: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -365,20 +368,25 @@ class Scheduler:
 
     def _release_rows(self, rows: list[tuple]) -> None:
         for row in rows:
-            entry = self._payloads[row[1]]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._payloads[row[1]]
-                if self._released is not None:
-                    self._released.append(entry[0])
+            self._unref_payload(row[1])
             self._buffered_bytes -= row[6] * 9
         self._buffered_rollouts -= len(rows)
 
+    def _unref_payload(self, batch_key: int) -> None:
+        """One holder (a buffered rollout, or a planned step not yet stored) lets go of a
+        batch; the last one releases it."""
+        entry = self._payloads[batch_key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._payloads[batch_key]
+            if self._released is not None:
+                self._released.append(entry[0])
+
     def take_released_payloads(self) -> list[Any]:
-        """Payload handles no buffered rollout refers to any more, since the last call (empty
-        unless tracking). A step planned before refers to them in its StepWork, so whoever
-        holds the columns frees them once every step before `next_step` is materialized.
-        An output, not a state change: replay recomputes it."""
+        """Payload handles nothing refers to any more, since the last call (empty unless
+        tracking): no buffered rollout, and no planned step whose responses are not stored
+        yet. Whoever holds the columns frees them at once. An output, not a state change:
+        replay recomputes it."""
         if not self._released:
             return []
         released, self._released = self._released, []
@@ -450,8 +458,8 @@ class Scheduler:
         """Plan a step from every prompts_per_step complete groups (in completion order).
 
         Returns the work to materialize each new step; a step answers "not ready" until its
-        responses come back through `store_step`. The scheduler drops its references to
-        the batches' payloads here: the returned work items hold them.
+        responses come back through `store_step`, and holds the batches it reads until
+        then (they are released, see `take_released_payloads`, only after that).
         """
         per_step = self.config.rollouts.prompts_per_step
         work = []
@@ -466,13 +474,17 @@ class Scheduler:
     ) -> StepRecord:
         """Keep every rank's response of a planned step: the serialized bytes (served as-is),
         or a handle to them (the actor keeps object references; `response_bytes` then gives
-        their total size for the step's record). Returns the step's record."""
+        their total size for the step's record), and let go of the ingest batches the step
+        read. Returns the step's record."""
         held = self._steps.get(step)
         if held is None or held.payloads is not None:
             raise ValueError(f"step {step} is not waiting for its responses")
         if len(responses) != self.config.batching.world_size:
             raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
         held.payloads = list(responses)
+        for key in held.reads:
+            self._unref_payload(key)
+        held.reads = []
         if response_bytes is None:
             response_bytes = sum(len(r) for r in responses)
         record = replace(held.record, response_bytes=int(response_bytes))
@@ -531,6 +543,9 @@ class Scheduler:
             policy_versions=versions,
             payloads={key: self._payloads[key][0] for key in {row[1] for row in rows}},
         )
+        reads = sorted({row[1] for row in rows})
+        for key in reads:  # the step holds its batches until store_step
+            self._payloads[key][1] += 1
         for group_id, group in groups:
             self._release_rows(group.rows)
             self._close(group_id, "assembled", group.rows)
@@ -540,7 +555,7 @@ class Scheduler:
             zero_advantage_groups_dropped=self._zero_dropped_since_step,
             policy_versions=plan.policy_version_range(versions),
         )
-        self._steps[step] = _Step(record=record, num_rollouts=len(rows))
+        self._steps[step] = _Step(record=record, num_rollouts=len(rows), reads=reads)
         self._rollouts_in_steps += len(rows)
         self._next_step += 1
         self._zero_dropped_since_step = 0

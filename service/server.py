@@ -12,21 +12,23 @@ copy into the object store) and sends the actor one call with metadata arrays an
 handle (front-end id, key); the ack answers from its result. A batch that completes a step
 has the step planned in the same call: the handler hands the work to this front-end's
 assembler thread and returns. The assembler materializes every rank's response (the bulk
-work, here and not in the actor), keeps the bytes in its memory and notes the step stored
-for the actor (`StoreStepNote`), frees the ingest columns the actor released once no
-planned step can need them, and moves the oldest responses beyond `_RESPONSE_CACHE_BYTES`
+work, here and not in the actor), keeps the bytes in its memory, notes the step stored for
+the actor (`StoreStepNote`) and moves the oldest responses beyond `_RESPONSE_CACHE_BYTES`
 to the object store (`move_step`), so memory stays bounded and every held step stays
 servable. Notes ride along with the next actor call (`ActorCalls`) rather than costing a
 Ray call each, and batches arriving while an ingest call is in flight share the next one
 (`IngestGroups`). So the actor's Python loop only sees metadata, and a producer's ack
 waits for planning (a few ms, in the actor) but never for materialization. GetBatch answers
 with the stored response bytes as they are (a pass-through serializer), so a re-fetch is
-byte-identical.
+byte-identical. The actor's answers also say what this front-end may free (`Releases`):
+ingest batches once no buffered rollout and no step still to be stored reads them, and
+responses of released steps, so their memory goes to the next steps.
 
-One front-end per scheduler actor: `start_server` creates the actor, and the ingest columns
-a step needs are in this process. Replicas (several front-ends on one actor) are the next
-addition: they need a front-end to fetch, by handle, the columns another one holds; until
-then a step needing them fails its materialization loudly ("held by another front-end").
+Several front-ends may share one actor (`[server] replicas`, `start_server(join=True)`):
+each registers a private peer address with the actor and answers its peers from its memory
+(`service/peers.py`). A step reads the batches other front-ends decoded through their peer
+service, and a rank asking one front-end for a step another stored gets the bytes fetched
+from that one, unchanged.
 
 GetBatch protocol: wait up to min(timeout_ms, max_wait_seconds, the call's deadline) for
 the step; if it is still not assembled, answer OK with `ready = false` (poll again). A
@@ -39,6 +41,7 @@ waits for the actor's answer, which is how a released step is reported NOT_FOUND
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
 import threading
@@ -66,7 +69,8 @@ from rlfeed.service.config import SidecarConfig
 from rlfeed.service.events import ServerEvents, notify
 from rlfeed.service.frontend_memory import LocalPayloads, ResponseCache
 from rlfeed.service.materialize import StepWork, materialize_work
-from rlfeed.service.records import FetchNote, IngestReply, StoreStepNote
+from rlfeed.service.peers import PeerClient, peer_handler
+from rlfeed.service.records import FetchNote, IngestReply, Releases, StoreStepNote
 from rlfeed.service.scheduler import BackpressureError, BatchMeta
 from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
@@ -78,6 +82,8 @@ _POLL_SECONDS = 0.25
 ASSEMBLY_RETRY_SECONDS = 1.0  # after a failed step materialization (the step is kept)
 # Notes wait for the front-end's next actor call; with none for this long, they go alone.
 NOTE_FLUSH_SECONDS = 0.05
+# An idle front-end asks the actor this often what it may free, notes or not.
+RELEASES_POLL_SECONDS = 1.0
 
 
 # Steps this front-end materialized stay in its memory, and are served from there, up to
@@ -123,7 +129,12 @@ class SidecarServicer:
         self.config = config
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
-        self._calls = ActorCalls(actor)
+        self._id = uuid.uuid4().hex
+        self._calls = ActorCalls(actor, self._id)
+        self._peers = PeerClient(
+            lambda frontend_id: ray.get(actor.frontend_address.remote(frontend_id)),
+            config.server.max_message_bytes,
+        )
         self._ingest_groups = IngestGroups(
             lambda batches: ray.get(self._calls.submit_with_notes("ingest", batches))
         )
@@ -132,7 +143,7 @@ class SidecarServicer:
         self._newest_stored = -1  # the newest step this front-end stored
         self._stopping = False
         self._responses = ResponseCache(_RESPONSE_CACHE_BYTES)
-        self._id = uuid.uuid4().hex
+        self._last_sync = time.monotonic()
         # The handle the actor keeps for a step whose bytes are in this front-end's memory.
         self._marker = ("front-end", self._id)
         self._payloads = LocalPayloads()
@@ -205,7 +216,7 @@ class SidecarServicer:
         """Buffer a validated batch in the actor: its columns stay here under a key, the
         actor gets the metadata and the handle (this front-end's id, key), in a call shared
         with the batches arriving alongside. Hands the work of the steps it made ready to
-        the assembler and frees the batches and the steps' responses the actor released."""
+        the assembler and frees what the actor released."""
         key = self._payloads.add(arrays.columns) if len(arrays) else None
         handle = (self._id, key) if key is not None else None
         # A failed call keeps the columns: the batch may have been buffered before the
@@ -219,12 +230,15 @@ class SidecarServicer:
                 for work in reply.work:
                     bisect.insort(self._unstored, (work.step, planned_at, work), key=_step_of)
             self._wake_assembler()
-        if reply.released_payloads:
-            mine = [key for owner, key in reply.released_payloads if owner == self._id]
-            self._payloads.release(mine, reply.planned_before)
-        if reply.released_steps:  # no longer servable: their memory goes to the next steps
-            self._responses.drop(reply.released_steps)
+        self._free(reply.releases)
         return reply
+
+    def _free(self, releases: Releases) -> None:
+        """Free what the actor released: batches nothing reads any more, and responses of
+        steps no longer servable (their memory goes to the next steps)."""
+        self._last_sync = time.monotonic()
+        self._payloads.release(releases.payload_keys)
+        self._responses.drop(releases.steps)
 
     def _rejected(self, error: BaseException, arrays) -> None:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
@@ -242,8 +256,9 @@ class SidecarServicer:
     def _assemble_loop(self) -> None:
         """Assemble steps off the ingest path: the producer's ack never waits for
         materialization. With nothing to assemble for NOTE_FLUSH_SECONDS, send the notes no
-        call took along. What to do is read from the state, not from the wake-up: work
-        inserted just after a timed-out wait is still assembled."""
+        call took along (and, every RELEASES_POLL_SECONDS, ask even without notes), freeing
+        what the answer releases. What to do is read from the state, not from the wake-up:
+        work inserted just after a timed-out wait is still assembled."""
         while True:
             self._steps_ready.wait(timeout=NOTE_FLUSH_SECONDS)
             self._steps_ready.clear()  # before reading the state: later work wakes us again
@@ -255,7 +270,10 @@ class SidecarServicer:
                 if has_work:
                     self._assemble()
                 else:
-                    self._calls.flush()
+                    due = time.monotonic() - self._last_sync > RELEASES_POLL_SECONDS
+                    sent = self._calls.sync(force=due)
+                    if sent is not None:
+                        self._free(ray.get(sent))
             except Exception:  # a dead actor surfaces on the next handler call too
                 if not self._stopping:
                     _log.exception("rlfeed: step assembly failed; retrying in 1 s")
@@ -290,14 +308,29 @@ class SidecarServicer:
                 self._steps_changed.notify_all()
             with self._unstored_lock:  # work for a lower step may have arrived meanwhile
                 del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
-            self._payloads.materialized(step)
         self._move_out_old_steps()
 
     def _resolve_payload(self, handle: tuple[str, int]) -> TokenColumns:
+        """An ingest batch's columns: from this front-end's memory, or from the front-end
+        that decoded it (the step being materialized holds it there until stored)."""
         owner, key = handle
         if owner != self._id:
-            raise RuntimeError(f"ingest batch {handle} is held by another front-end")
+            return self._peers.payload(owner, key)
         return self._payloads.get(key)
+
+    def _columns_of(self, key: int) -> TokenColumns | None:
+        """For a peer: an ingest batch this front-end holds."""
+        try:
+            return self._payloads.get(key)
+        except KeyError:
+            return None
+
+    def _response_of(self, step: int, rank: int) -> bytes | None:
+        """For a peer: a stored response this front-end holds."""
+        responses = self._responses.get(step)
+        if responses is None or not 0 <= rank < len(responses):
+            return None
+        return responses[rank]
 
     def _move_out_old_steps(self) -> None:
         """Keep this front-end's memory bounded: of the oldest steps beyond the cache size,
@@ -373,7 +406,8 @@ class SidecarServicer:
                 if kind == "ready":
                     context.abort(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"step {step} is held by another front-end of this sidecar",
+                        f"step {step} left the memory of the front-end holding it twice "
+                        "while being fetched; ask again",
                     )
             if kind == "invalid":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
@@ -392,13 +426,16 @@ class SidecarServicer:
                     timeout=min(remaining, _POLL_SECONDS),
                 )
 
+    def close_peers(self) -> None:
+        self._peers.close()
+
     def _ask_fetch(self, step: int, rank: int) -> tuple[str, object]:
         return ray.get(self._calls.submit("fetch_batch", step, rank))
 
     def _stored_response(self, step: int, rank: int, handle) -> bytes | None:
         """The bytes behind the actor's handle of (step, rank): from this front-end's
-        memory, or the object store; None if the handle is this front-end's marker but the
-        step has left its memory (moved out: ask again) or another front-end's marker."""
+        memory, the memory of the front-end whose marker it is, or the object store; None
+        if the front-end holding it has moved it out meanwhile (ask the actor again)."""
         cached = self._responses.get(step)
         if cached is None and handle == self._marker:
             with self._storing:  # the actor may have seen the note before the cache the bytes
@@ -407,6 +444,8 @@ class SidecarServicer:
             return cached[rank]
         if isinstance(handle, list):  # [ObjectRef]
             return ray.get(handle[0])
+        if isinstance(handle, tuple) and handle != self._marker:  # ("front-end", its id)
+            return self._peers.stored_response(handle[1], step, rank)
         return None
 
     @_unavailable_when_ray_fails
@@ -481,6 +520,8 @@ class SidecarServer:
     health: health.HealthServicer
     actor: ray.actor.ActorHandle
     started_ray: bool
+    owns_actor: bool = True  # False for a replica that joined another front-end's actor
+    peer_address: str = ""  # where the other front-ends reach this one's memory
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -495,9 +536,14 @@ class SidecarServer:
             self.health.enter_graceful_shutdown()
             self.servicer.release_waiters()
             self.server.stop(grace).wait(grace + 1.0)
+            self.servicer.close_peers()
+            if not self.owns_actor:  # the sidecar runs on; its releases need not wait for us
+                with contextlib.suppress(ray.exceptions.RayError):  # stopped first: it is gone
+                    ray.get(self.actor.unregister_frontend.remote(self.servicer._id), timeout=10)
         finally:
             try:
-                ray.kill(self.actor)
+                if self.owns_actor:
+                    ray.kill(self.actor)
             finally:
                 if self.started_ray:
                     ray.shutdown()
@@ -529,18 +575,35 @@ def _connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
     return True
 
 
+def _peer_host(host: str) -> str:
+    """The address other front-ends reach this one at: the bound interface, or this node's
+    address when bound to all interfaces."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        return ray.util.get_node_ip_address()
+    return host
+
+
 def start_server(
     config: SidecarConfig,
     ray_address: str | None = None,
     events: ServerEvents | None = None,
+    join: bool = False,
 ) -> SidecarServer:
     """Start Ray (embedded, or join `ray_address`: "auto" or host:port) unless this process
     already runs it, the scheduler actor and the gRPC server; returns once serving.
-    `events` receives the front-end's hooks (metrics); default: no-ops."""
+    `events` receives the front-end's hooks (metrics); default: no-ops.
+
+    With `join`, this is another front-end (replica) of a running sidecar: it finds the
+    named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
+    does when `[server] replicas` > 1) and leaves the actor running when it stops."""
     started_ray = _connect_ray(config, ray_address)
     actor = server = None
+    shared_port = join or config.server.replicas > 1
     try:
-        actor = create_scheduler_actor(config)
+        if join:
+            actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
+        else:
+            actor = create_scheduler_actor(config)
         servicer = SidecarServicer(config, actor, events)
         limit = config.server.max_message_bytes
         server = grpc.server(
@@ -550,13 +613,18 @@ def start_server(
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
-                ("grpc.so_reuseport", 0),  # a busy port is an error, not a shared socket
+                # A busy port is an error, not a shared socket, unless replicas share it.
+                ("grpc.so_reuseport", int(shared_port)),
             ],
         )
         pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
         pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers(
-            (_rollout_ingest_handler(servicer), _batch_serving_handler(servicer))
+            (
+                _rollout_ingest_handler(servicer),
+                _batch_serving_handler(servicer),
+                peer_handler(servicer._columns_of, servicer._response_of),
+            )
         )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -570,13 +638,19 @@ def start_server(
             raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"cannot listen on {target} (port in use?)")
+        peer_host = _peer_host(config.server.host)
+        peer_port = server.add_insecure_port(f"{peer_host}:0")
+        if peer_port == 0:
+            raise RuntimeError(f"cannot listen on {peer_host} for the other front-ends")
+        peer_address = f"{peer_host}:{peer_port}"
+        ray.get(actor.register_frontend.remote(servicer._id, peer_address))
         server.start()
         for name in ("", *SERVICE_NAMES):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         if server is not None:
             server.stop(0)
-        if actor is not None:
+        if actor is not None and not join:
             ray.kill(actor)
         if started_ray:
             ray.shutdown()
@@ -589,4 +663,6 @@ def start_server(
         health=health_servicer,
         actor=actor,
         started_ray=started_ray,
+        owns_actor=not join,
+        peer_address=peer_address,
     )

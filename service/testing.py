@@ -7,6 +7,7 @@ verifies it against the submitted arrays by the straightforward computation, one
 at a time: tokens, restarted position ids, next-token targets, loss mask, sampler
 log-probs, per-group advantages, cu_seqlens, the global policy-token count, equal
 microbatch counts per rank, and that every served rollout appears exactly once.
+`fetch_served_bytes` asks a sidecar for one (step, rank) and returns the bytes as served.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.codec import decode_microbatch, encode_rollout_batch
@@ -191,3 +193,13 @@ def check_served_step(
         if mask_sum:
             assert abs(served_advantage[rollout_id] - value) <= 1e-5 * max(1.0, abs(value))
     return served
+
+
+def fetch_served_bytes(channel: grpc.Channel, step: int, rank: int) -> bytes:
+    """GetBatch(step, rank) with no deserializer: the exact response bytes served."""
+    get = channel.unary_unary(
+        "/rlfeed.v1.BatchServing/GetBatch",
+        request_serializer=pb.GetBatchRequest.SerializeToString,
+        response_deserializer=None,
+    )
+    return get(pb.GetBatchRequest(step=step, rank=rank, timeout_ms=10_000), timeout=30)

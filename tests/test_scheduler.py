@@ -452,12 +452,16 @@ def test_task_sampling_drops_saturated_tasks_and_revisits_them() -> None:
     batch_size=st.integers(1, 9),
     drop_zero=st.booleans(),
     stale_from=st.integers(0, 12),
+    store_lag=st.integers(0, 3),
 )
-def test_a_payload_is_released_once_after_its_last_buffered_rollout_leaves(
-    seed: int, batch_size: int, drop_zero: bool, stale_from: int
+def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
+    seed: int, batch_size: int, drop_zero: bool, stale_from: int, store_lag: int
 ) -> None:
-    """The front-end frees an ingest batch's columns on release: never while a buffered
-    rollout still needs them, exactly once, and for every batch once nothing is buffered."""
+    """The front-end that holds an ingest batch's columns frees them on release: never while
+    a buffered rollout or a planned step whose responses are not stored yet (whichever
+    front-end materializes it) still reads them, exactly once, and for every batch once
+    nothing is buffered and every step is stored. Steps are stored `store_lag` ingest calls
+    after they are planned, lowest first."""
     config = {
         "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_policy_lag": 0},
         "batching": {"world_size": 2, "token_budget": 256},
@@ -470,25 +474,46 @@ def test_a_payload_is_released_once_after_its_last_buffered_rollout_leaves(
     # Groups from stale_from on are one policy version newer: older open groups go stale.
     rollouts = replace(old, policy_versions=[int(i // 4 >= stale_from) for i in range(len(old))])
     order = rng.permutation(len(rollouts))
-    accepted, released, planned = [], [], set()
-    for start in range(0, len(order), batch_size):
-        handle = f"batch-{start}"
-        arrays = decode_rollout_batch(rollouts.encode(order[start : start + batch_size]))
-        validate_rollout_batch(arrays, token_budget=256)
-        if scheduler.ingest_batch(BatchMeta.from_arrays(arrays), handle).accepted:
-            accepted.append(handle)
-        for work in scheduler.plan_ready_steps():
-            planned.update(work.payloads.values())
-        released += scheduler.take_released_payloads()
+    accepted, released, unstored = [], [], []  # unstored: [(calls left, work)]
+
+    def store_due(everything: bool = False) -> None:
+        for entry in list(unstored):
+            entry[0] -= 1
+            if entry[0] < 0 or everything:
+                unstored.remove(entry)
+                scheduler.store_step(entry[1].step, [b"r0", b"r1"])
+
+    def check_released() -> None:
+        released.extend(scheduler.take_released_payloads())
         held = {handle for handle, _ in scheduler._payloads.values()}
         buffered = {
             row[1]
             for group in (*scheduler._open.values(), *scheduler._complete.values())
             for row in group.rows
         }
+        read = {handle for _, work in unstored for handle in work.payloads.values()}
         assert buffered <= set(scheduler._payloads), "a buffered rollout lost its payload"
+        assert not read & set(released), "released while an unstored step reads it"
         assert not held & set(released), "released while still held"
+
+    for start in range(0, len(order), batch_size):
+        handle = f"batch-{start}"
+        arrays = decode_rollout_batch(rollouts.encode(order[start : start + batch_size]))
+        validate_rollout_batch(arrays, token_budget=256)
+        if scheduler.ingest_batch(BatchMeta.from_arrays(arrays), handle).accepted:
+            accepted.append(handle)
+        store_due()
+        unstored.extend([store_lag, work] for work in scheduler.plan_ready_steps())
+        check_released()
+    store_due(everything=True)
+    check_released()
     assert len(released) == len(set(released)), "a payload released twice"
-    assert planned <= set(accepted)
     # Every accepted batch is either still held (a buffered rollout needs it) or released.
+    held = {handle for handle, _ in scheduler._payloads.values()}
     assert sorted(released + sorted(held)) == sorted(accepted)
+    buffered = {
+        row[1]
+        for group in (*scheduler._open.values(), *scheduler._complete.values())
+        for row in group.rows
+    }
+    assert {key for key, (handle, _) in scheduler._payloads.items()} == buffered

@@ -17,17 +17,9 @@ import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.testing import check_served_step, synthetic_groups
+from rlfeed.service.testing import fetch_served_bytes as fetch
 
 GROUPS = {"prompts_per_step": 2, "group_size": 4}
-
-
-def fetch(channel: grpc.Channel, step: int, rank: int) -> bytes:
-    get = channel.unary_unary(
-        "/rlfeed.v1.BatchServing/GetBatch",
-        request_serializer=pb.GetBatchRequest.SerializeToString,
-        response_deserializer=None,  # the exact bytes served
-    )
-    return get(pb.GetBatchRequest(step=step, rank=rank, timeout_ms=10_000), timeout=30)
 
 
 def test_steps_moved_out_of_memory_are_served_byte_identical(make_sidecar) -> None:
@@ -152,24 +144,6 @@ def test_ingest_columns_are_freed_and_first_fetches_reach_the_actor(make_sidecar
         final = status.GetStatus(pb.GetStatusRequest(), timeout=10)
         assert final.buffered_rollouts == 2  # the open newer group's two rollouts
         assert final.counters.rollouts_stale == 6  # complete group 4 and half of group 5
-
-
-def test_a_released_batch_stays_until_the_steps_planned_before_it_are_materialized() -> None:
-    from rlfeed.service.frontend_memory import LocalPayloads
-
-    payloads = LocalPayloads()
-    first, second = payloads.add("columns of batch 0"), payloads.add("columns of batch 1")
-    payloads.materialized(0)
-    payloads.materialized(1)
-    # Released by the call that planned step 3, while steps 2 and 3 are not materialized.
-    payloads.release([first], planned_before=4)
-    assert payloads.get(first) == "columns of batch 0"
-    payloads.materialized(3)  # out of order: step 2 could still need it
-    assert len(payloads) == 2
-    payloads.materialized(2)
-    assert len(payloads) == 1 and payloads.get(second) == "columns of batch 1"
-    payloads.release([second], planned_before=4)  # nothing before step 4 is pending
-    assert len(payloads) == 0
 
 
 def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:

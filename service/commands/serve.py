@@ -5,6 +5,7 @@
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
     rlfeed serve --ray-address 10.0.0.5:6379      # join a cluster by its head's address
     rlfeed serve --metrics-port 9400              # Prometheus /metrics on 127.0.0.1:9400
+    rlfeed serve --replicas 4                     # 4 front-end processes on one port
 
 Prints the resolved configuration (TOML) and then one line `rlfeed serve: listening on
 HOST:PORT` (with --port 0 the port picked). With a metrics port (`--metrics-port`, else
@@ -17,6 +18,12 @@ actor is killed and an embedded Ray is shut down (a joined cluster keeps running
 a cluster with token authentication (Ray 2.59+) needs its token, as for any Ray driver:
 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment. A bad config exits 2 with the key and
 section; a port in use exits 1.
+
+With `--replicas N` (`[server] replicas`) this process starts N-1 more front-ends,
+`rlfeed serve --join` processes on the same port and scheduler actor (see
+`rlfeed.service.replicas`), waits for them before printing the listening line, and stops
+them when it stops; if one exits, the whole sidecar stops (exit 1). `--join` is that
+replica mode: it needs `--ray-address` and leaves the actor running when it stops.
 """
 
 from __future__ import annotations
@@ -42,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ray-address",
         metavar="ADDR",
         help="join this Ray cluster ('auto' or host:port); default: start an embedded one",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="front-end processes sharing the port and the scheduler ([server] replicas)",
+    )
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="be another front-end of the sidecar whose Ray cluster --ray-address names",
     )
     parser.add_argument(
         "--print-config",
@@ -73,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 ("host", args.host),
                 ("port", args.port),
                 ("metrics_port", args.metrics_port),
+                ("replicas", args.replicas),
             )
             if value is not None
         }
@@ -80,9 +99,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"rlfeed serve: {exc}", file=sys.stderr)
         return 2
+    if args.join and args.ray_address is None:
+        print("rlfeed serve: --join needs --ray-address", file=sys.stderr)
+        return 2
     print(dump_config(config, args.print_config), flush=True)
 
     from rlfeed.service.metrics_events import SidecarExporter
+    from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
 
     exporter = SidecarExporter(config) if config.server.metrics_port else None
@@ -91,11 +114,19 @@ def run(args: argparse.Namespace) -> int:
             config,
             ray_address=args.ray_address,
             events=exporter.events if exporter is not None else None,
+            join=args.join,
         )
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # ValueError: --join found no actor
         print(f"rlfeed serve: {exc}", file=sys.stderr)
         return 1
+    replicas = None
     try:
+        if config.server.replicas > 1 and not args.join:
+            try:
+                replicas = start_replicas(config, sidecar.port, sidecar.actor)
+            except RuntimeError as exc:
+                print(f"rlfeed serve: {exc}", file=sys.stderr)
+                return 1
         _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
         if exporter is not None:
             try:
@@ -106,15 +137,23 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
-        print(f"rlfeed serve: listening on {sidecar.address} ({where})", flush=True)
+        fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
+        print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
+        code = 0
         while not stop.wait(0.5):
-            pass
+            problem = replicas.exited() if replicas is not None else None
+            if problem is not None:
+                print(f"rlfeed serve: {problem}; stopping the sidecar", file=sys.stderr)
+                code = 1
+                break
         print("rlfeed serve: stopping", flush=True)
     finally:
         try:
+            if replicas is not None:
+                replicas.stop()
             if exporter is not None:
                 exporter.stop()
         finally:
             sidecar.stop(grace=2.0)
     print("rlfeed serve: stopped", flush=True)
-    return 0
+    return code

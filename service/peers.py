@@ -1,0 +1,153 @@
+"""Between the front-ends (replicas) of one sidecar: what one holds, another can fetch.
+
+Each front-end keeps the ingest batches it decoded and the responses of the steps it
+materialized in its own memory. With several front-ends on one scheduler actor, a step can
+read batches that reached other front-ends, and a rank can ask any front-end for a step
+another one stored. So every front-end also listens on a private peer address (registered
+with the actor) and answers two calls from its peers:
+
+- `GetPayload`: an ingest batch's token columns, by key, as an Arrow IPC stream (one row per
+  rollout, `large_list` columns sharing the batch's offsets: built over the held arrays
+  without a copy, written with one).
+- `GetStoredResponse`: a rank's response of a step, the exact bytes served.
+
+Internal and versioned with the code (every replica runs the same build): raw bytes through
+generic handlers, not part of the public `rlfeed.proto` contract. A key or step the peer no
+longer holds is NOT_FOUND; the scheduler's release rules make that an answer only for a
+step moved out meanwhile (ask the actor again), never for a batch a planned step reads.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pyarrow as pa
+from rlfeed.sched.assembly import TokenColumns
+
+PEER_SERVICE = "rlfeed.internal.v1.FrontEndPeer"
+_KEY = struct.Struct("<q")
+_STEP_RANK = struct.Struct("<qq")
+_PEER_CALL_SECONDS = 60.0
+_COLUMNS_SCHEMA = pa.schema(
+    [
+        ("token_ids", pa.large_list(pa.int32())),
+        ("action_mask", pa.large_list(pa.uint8())),
+        ("sampler_logprobs", pa.large_list(pa.float32())),
+    ]
+)
+
+
+def encode_columns(columns: TokenColumns) -> bytes:
+    offsets = pa.array(np.asarray(columns.offsets, dtype=np.int64))
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.LargeListArray.from_arrays(offsets, pa.array(columns.token_ids)),
+            pa.LargeListArray.from_arrays(offsets, pa.array(columns.action_mask)),
+            pa.LargeListArray.from_arrays(offsets, pa.array(columns.sampler_logprobs)),
+        ],
+        schema=_COLUMNS_SCHEMA,
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, _COLUMNS_SCHEMA) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def decode_columns(payload: bytes) -> TokenColumns:
+    """The columns `encode_columns` wrote, as arrays viewing `payload` (no copy)."""
+    batch = pa.ipc.open_stream(pa.py_buffer(payload)).read_next_batch()
+    if batch.schema != _COLUMNS_SCHEMA:
+        raise ValueError(f"peer payload has schema {batch.schema}, expected {_COLUMNS_SCHEMA}")
+    tokens, mask, logprobs = (batch.column(i) for i in range(3))
+    return TokenColumns(
+        offsets=tokens.offsets.to_numpy(),
+        token_ids=tokens.values.to_numpy(),
+        action_mask=mask.values.to_numpy(),
+        sampler_logprobs=logprobs.values.to_numpy(),
+    )
+
+
+def peer_handler(
+    columns_of: Callable[[int], TokenColumns | None],
+    response_of: Callable[[int, int], bytes | None],
+) -> grpc.GenericRpcHandler:
+    """The peer service over this front-end's memory: `columns_of(key)` and
+    `response_of(step, rank)` return None for what it does not hold."""
+
+    def get_payload(request: bytes, context) -> bytes:
+        (key,) = _KEY.unpack(request)
+        columns = columns_of(key)
+        if columns is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"ingest batch {key} is not held here")
+        return encode_columns(columns)
+
+    def get_stored_response(request: bytes, context) -> bytes:
+        step, rank = _STEP_RANK.unpack(request)
+        response = response_of(step, rank)
+        if response is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"step {step} is not held here")
+        return response
+
+    return grpc.method_handlers_generic_handler(
+        PEER_SERVICE,
+        {
+            "GetPayload": grpc.unary_unary_rpc_method_handler(get_payload),
+            "GetStoredResponse": grpc.unary_unary_rpc_method_handler(get_stored_response),
+        },
+    )
+
+
+class PeerClient:
+    """Calls to the other front-ends, by front-end id (the address is asked of the
+    scheduler actor once, through `address_of`); one channel per peer, kept."""
+
+    def __init__(self, address_of: Callable[[str], str | None], max_message_bytes: int) -> None:
+        self._address_of = address_of
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _channel(self, frontend_id: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(frontend_id)
+        if channel is not None:
+            return channel
+        address = self._address_of(frontend_id)
+        if address is None:
+            raise RuntimeError(f"front-end {frontend_id} is not registered with the scheduler")
+        channel = grpc.insecure_channel(address, options=self._options)
+        with self._lock:
+            kept = self._channels.setdefault(frontend_id, channel)
+        if kept is not channel:
+            channel.close()
+        return kept
+
+    def payload(self, frontend_id: str, key: int) -> TokenColumns:
+        """The columns of another front-end's ingest batch (its planned step reads it, so
+        it is held: an error here is a failure, and the step's materialization retries)."""
+        call = self._channel(frontend_id).unary_unary(f"/{PEER_SERVICE}/GetPayload")
+        return decode_columns(call(_KEY.pack(key), timeout=_PEER_CALL_SECONDS))
+
+    def stored_response(self, frontend_id: str, step: int, rank: int) -> bytes | None:
+        """Another front-end's stored response bytes, or None if it no longer holds the
+        step (moved out to the object store meanwhile: ask the actor again)."""
+        call = self._channel(frontend_id).unary_unary(f"/{PEER_SERVICE}/GetStoredResponse")
+        try:
+            return call(_STEP_RANK.pack(step, rank), timeout=_PEER_CALL_SECONDS)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

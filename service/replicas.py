@@ -1,0 +1,100 @@
+"""More front-ends for one sidecar: `[server] replicas` > 1 runs that many `rlfeed serve`
+processes on one gRPC port and one scheduler actor.
+
+One Python interpreter decodes, validates, materializes and moves every byte of a
+front-end, so one front-end saturates about one core. The first `rlfeed serve` starts Ray,
+the actor and its own front-end; `start_replicas` then starts the others as
+`rlfeed serve --join` processes with the same resolved config. All bind the port with
+SO_REUSEPORT, so the kernel spreads client connections (a producer's or a rank's channel)
+over them, and each registers a private peer address with the actor, through which the
+others fetch the ingest batches and step responses it holds (`service/peers.py`). Each
+replica with metrics serves them on `metrics_port + i`: its own front-end's counters (sum
+them over replicas) and the actor's gauges (the same in every replica).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import ray
+from rlfeed.service.config import SidecarConfig, dump_config
+
+_READY_POLL_SECONDS = 0.2
+
+
+@dataclass
+class ReplicaProcesses:
+    """The `rlfeed serve --join` processes this one started; `stop()` ends them."""
+
+    processes: list[subprocess.Popen]
+    config_file: str
+
+    def exited(self) -> str | None:
+        """A description of the first replica that has exited, or None while all run."""
+        for index, process in enumerate(self.processes, start=1):
+            code = process.poll()
+            if code is not None:
+                return f"replica {index} (pid {process.pid}) exited with code {code}"
+        return None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every replica (each drains and stops within seconds), then kill those
+        still running after `timeout_s`."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config_file)
+
+
+def start_replicas(
+    config: SidecarConfig, port: int, actor: ray.actor.ActorHandle, timeout_s: float = 180.0
+) -> ReplicaProcesses:
+    """Start `config.server.replicas - 1` front-ends joining this process's Ray cluster and
+    `actor` on `port`; returns once every one has registered with the actor. RuntimeError
+    (the started ones stopped) if one exits first or `timeout_s` passes."""
+    wanted = config.server.replicas
+    resolved = replace(config, server=replace(config.server, port=port))
+    handle, config_file = tempfile.mkstemp(prefix="rlfeed-replica-", suffix=".toml")
+    with os.fdopen(handle, "w") as out:
+        out.write(dump_config(resolved, "toml"))
+    gcs_address = ray.get_runtime_context().gcs_address
+    processes = []
+    replicas = ReplicaProcesses(processes, config_file)
+    try:
+        for index in range(1, wanted):
+            metrics_port = config.server.metrics_port + index if config.server.metrics_port else 0
+            command = [
+                sys.executable, "-m", "rlfeed", "serve", "--join",
+                "--config", config_file,
+                "--ray-address", gcs_address,
+                "--metrics-port", str(metrics_port),
+            ]  # fmt: skip
+            # The token of Ray's token authentication reaches them through the environment
+            # ray.init set up (RAY_AUTH_MODE) and the token file it wrote.
+            processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        deadline = time.monotonic() + timeout_s
+        while ray.get(actor.frontend_count.remote()) < wanted:
+            problem = replicas.exited()
+            if problem is None and time.monotonic() > deadline:
+                problem = f"replicas did not register within {timeout_s:.0f} s"
+            if problem is not None:
+                raise RuntimeError(f"cannot start the front-end replicas: {problem}")
+            time.sleep(_READY_POLL_SECONDS)
+    except BaseException:
+        replicas.stop()
+        raise
+    return replicas

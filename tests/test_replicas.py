@@ -1,0 +1,125 @@
+"""Several front-ends (replicas) on one scheduler actor: a step reads ingest batches that
+reached different front-ends, and any front-end serves any step, byte-identical.
+
+Real gRPC on loopback and real local Ray. The in-process test runs two front-ends in this
+process (one interpreter, so no speed-up, but every cross-front-end path: peer fetch of
+batches, peer fetch of responses, releases routed to the batch's holder); the CLI test runs
+`rlfeed serve --replicas 2`, two processes sharing one port, under `rlfeed demo --address`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.server import start_server
+from rlfeed.service.testing import check_served_step, synthetic_groups
+from rlfeed.service.testing import fetch_served_bytes as fetch
+
+GROUPS = {"prompts_per_step": 2, "group_size": 4}
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sidecar) -> None:
+    primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 8})
+    replica = start_server(primary.config, join=True)  # same actor, its own port (port 0)
+    try:
+        front_ends = (primary, replica)
+        rollouts = synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(21))
+        channels = [grpc.insecure_channel(sidecar.address) for sidecar in front_ends]
+        ingest = [pb_grpc.RolloutIngestStub(channel) for channel in channels]
+        pb_grpc.TaskSamplingStub(channels[0]).RegisterTasks(
+            pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
+        )
+        sequence = 0
+        for step in range(4):  # groups 2s and 2s+1; each front-end gets half of every group
+            first, second = (0, 1) if step % 2 == 0 else (1, 0)  # who completes the step
+            groups = range(8 * step, 8 * step + 8)
+            for front_end, half in ((first, (0, 1)), (second, (2, 3))):
+                rows = [row for row in groups if row % 4 in half]
+                batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
+                assert ingest[front_end].SubmitRolloutBatch(batch, timeout=30).accepted == 4
+                sequence += 1
+        # Rank 0 asks the primary, rank 1 the replica, whoever stored the step.
+        served = [[fetch(channels[rank], step, rank) for rank in range(2)] for step in range(4)]
+        ids = [rid for step in served for rid in check_served_step(step, rollouts)]
+        assert sorted(ids) == sorted(rollouts.rollout_ids)
+        stored_by = {
+            side: [s for s in range(4) if sidecar.servicer._responses.get(s) is not None]
+            for side, sidecar in zip(("primary", "replica"), front_ends, strict=True)
+        }
+        assert stored_by == {"primary": [1, 3], "replica": [0, 2]}  # the completing side
+        for step in range(4):  # re-fetches, each rank now from the other front-end
+            assert [fetch(channels[1 - rank], step, rank) for rank in range(2)] == served[step]
+        # Every group is complete and every step stored: each front-end frees the batches
+        # it decoded, although the other front-end materialized half of the steps.
+        wait_until(
+            lambda: len(primary.servicer._payloads) == len(replica.servicer._payloads) == 0,
+            f"batches still held: {len(primary.servicer._payloads)}, "
+            f"{len(replica.servicer._payloads)}",
+        )
+        for channel in channels:
+            channel.close()
+    finally:
+        replica.stop(grace=0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -> None:
+    port = _free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+    try:
+        lines = []
+        for line in serve.stdout:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert "2 front-ends" in lines[-1], "".join(lines[-20:])
+        joined = subprocess.run(
+            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(joined) == 1, joined  # the one other front-end
+        address = f"127.0.0.1:{port}"
+        demo = subprocess.run(
+            [sys.executable, "-m", "rlfeed", "demo", "--address", address, "--steps", "3"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        rest, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 0, rest[-3000:]
+    assert "rlfeed serve: stopped" in rest
+    for pid in joined:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"replica {pid} outlived the sidecar")
