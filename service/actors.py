@@ -67,8 +67,9 @@ class SchedulerActor:
         self._frontends.pop(frontend_id, None)
         self._outbox.pop(frontend_id, None)
 
-    def frontend_address(self, frontend_id: str) -> str | None:
-        return self._frontends.get(frontend_id)
+    def frontend_addresses(self) -> dict[str, str]:
+        """Front-end id -> peer address, of every registered front-end."""
+        return dict(self._frontends)
 
     def frontend_count(self) -> int:
         return len(self._frontends)

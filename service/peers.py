@@ -4,12 +4,16 @@ Each front-end keeps the ingest batches it decoded and the responses of the step
 materialized in its own memory. With several front-ends on one scheduler actor, a step can
 read batches that reached other front-ends, and a rank can ask any front-end for a step
 another one stored. So every front-end also listens on a private peer address (registered
-with the actor) and answers two calls from its peers:
+with the actor) and answers these calls from its peers:
 
 - `GetPayload`: an ingest batch's token columns, by key, as an Arrow IPC stream (one row per
   rollout, `large_list` columns sharing the batch's offsets: built over the held arrays
   without a copy, written with one).
 - `GetStoredResponse`: a rank's response of a step, the exact bytes served.
+- `StepStored`: "I stored step s": a front-end announces each step it materialized, so a
+  rank waiting for it at another front-end is answered at once, by forwarding its
+  GetBatch to the announcer (the public BatchServing service, which the peer address also
+  serves: the announcer records the fetch in its own order, after the step's store).
 
 Internal and versioned with the code (every replica runs the same build): raw bytes through
 generic handlers, not part of the public `rlfeed.proto` contract. A key or step the peer no
@@ -21,17 +25,21 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pyarrow as pa
+from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import TokenColumns
 
 PEER_SERVICE = "rlfeed.internal.v1.FrontEndPeer"
-_KEY = struct.Struct("<q")
+_KEY = struct.Struct("<q")  # a batch key, or a step
 _STEP_RANK = struct.Struct("<qq")
 _PEER_CALL_SECONDS = 60.0
+_ANNOUNCE_SECONDS = 5.0
+_PEERS_REFRESH_SECONDS = 5.0
 _COLUMNS_SCHEMA = pa.schema(
     [
         ("token_ids", pa.large_list(pa.int32())),
@@ -74,9 +82,11 @@ def decode_columns(payload: bytes) -> TokenColumns:
 def peer_handler(
     columns_of: Callable[[int], TokenColumns | None],
     response_of: Callable[[int, int], bytes | None],
+    stored_elsewhere: Callable[[int, str], None],
 ) -> grpc.GenericRpcHandler:
     """The peer service over this front-end's memory: `columns_of(key)` and
-    `response_of(step, rank)` return None for what it does not hold."""
+    `response_of(step, rank)` return None for what it does not hold;
+    `stored_elsewhere(step, frontend_id)` takes another front-end's announcement."""
 
     def get_payload(request: bytes, context) -> bytes:
         (key,) = _KEY.unpack(request)
@@ -92,34 +102,61 @@ def peer_handler(
             context.abort(grpc.StatusCode.NOT_FOUND, f"step {step} is not held here")
         return response
 
+    def step_stored(request: bytes, context) -> bytes:
+        (step,) = _KEY.unpack_from(request)
+        stored_elsewhere(step, request[_KEY.size :].decode())
+        return b""
+
     return grpc.method_handlers_generic_handler(
         PEER_SERVICE,
         {
             "GetPayload": grpc.unary_unary_rpc_method_handler(get_payload),
             "GetStoredResponse": grpc.unary_unary_rpc_method_handler(get_stored_response),
+            "StepStored": grpc.unary_unary_rpc_method_handler(step_stored),
         },
     )
 
 
 class PeerClient:
-    """Calls to the other front-ends, by front-end id (the address is asked of the
-    scheduler actor once, through `address_of`); one channel per peer, kept."""
+    """Calls from front-end `own_id` to the others, by front-end id. Their addresses come
+    from the scheduler actor (`addresses()`: id -> peer address of every registered
+    front-end), asked again when an id is unknown or the list is older than
+    `_PEERS_REFRESH_SECONDS`; one channel per peer, kept."""
 
-    def __init__(self, address_of: Callable[[str], str | None], max_message_bytes: int) -> None:
-        self._address_of = address_of
+    def __init__(
+        self, own_id: str, addresses: Callable[[], dict[str, str]], max_message_bytes: int
+    ) -> None:
+        self._own_id = own_id
+        self._addresses = addresses
+        self._known: dict[str, str] = {}
+        self._known_at = float("-inf")
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._channels: dict[str, grpc.Channel] = {}
+        self._announcing: set = set()  # StepStored calls in flight
         self._lock = threading.Lock()
+
+    def _peers(self, refresh: bool = False) -> dict[str, str]:
+        with self._lock:
+            fresh = time.monotonic() - self._known_at < _PEERS_REFRESH_SECONDS
+            if fresh and not refresh:
+                return self._known
+        known = self._addresses()
+        with self._lock:
+            self._known, self._known_at = known, time.monotonic()
+        return known
+
+    def others(self) -> list[str]:
+        return [frontend_id for frontend_id in self._peers() if frontend_id != self._own_id]
 
     def _channel(self, frontend_id: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(frontend_id)
         if channel is not None:
             return channel
-        address = self._address_of(frontend_id)
+        address = self._peers().get(frontend_id) or self._peers(refresh=True).get(frontend_id)
         if address is None:
             raise RuntimeError(f"front-end {frontend_id} is not registered with the scheduler")
         channel = grpc.insecure_channel(address, options=self._options)
@@ -145,6 +182,34 @@ class PeerClient:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
+
+    def announce_stored(self, step: int) -> None:
+        """Tell every other front-end that this one stored `step` (not waited for; a lost
+        announcement only costs a waiting rank the actor's slower path)."""
+        request = _KEY.pack(step) + self._own_id.encode()
+        for frontend_id in self.others():
+            try:
+                call = self._channel(frontend_id).unary_unary(f"/{PEER_SERVICE}/StepStored")
+                future = call.future(request, timeout=_ANNOUNCE_SECONDS)
+            except (grpc.RpcError, RuntimeError):
+                continue
+            with self._lock:  # a future dropped before it completes cancels its call
+                self._announcing.add(future)
+            future.add_done_callback(self._announced)
+
+    def _announced(self, future) -> None:
+        with self._lock:
+            self._announcing.discard(future)
+
+    def forward_get_batch(self, frontend_id: str, request: pb.GetBatchRequest) -> bytes:
+        """The public GetBatch, asked of the front-end that stored the step: its answer's
+        bytes, unchanged. grpc.RpcError as that front-end answered (NOT_FOUND, ...)."""
+        call = self._channel(frontend_id).unary_unary(
+            "/rlfeed.v1.BatchServing/GetBatch",
+            request_serializer=pb.GetBatchRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        return call(request, timeout=_PEER_CALL_SECONDS)
 
     def close(self) -> None:
         with self._lock:

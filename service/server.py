@@ -47,6 +47,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 
@@ -85,6 +86,9 @@ NOTE_FLUSH_SECONDS = 0.05
 # An idle front-end asks the actor this often what it may free, notes or not.
 RELEASES_POLL_SECONDS = 1.0
 
+
+# How many other front-ends' step announcements a front-end remembers.
+_ANNOUNCEMENTS_KEPT = 1024
 
 # Steps this front-end materialized stay in its memory, and are served from there, up to
 # this size; beyond it the oldest steps the actor still holds move to the object store
@@ -132,7 +136,8 @@ class SidecarServicer:
         self._id = uuid.uuid4().hex
         self._calls = ActorCalls(actor, self._id)
         self._peers = PeerClient(
-            lambda frontend_id: ray.get(actor.frontend_address.remote(frontend_id)),
+            self._id,
+            lambda: ray.get(actor.frontend_addresses.remote()),
             config.server.max_message_bytes,
         )
         self._ingest_groups = IngestGroups(
@@ -141,6 +146,8 @@ class SidecarServicer:
         self._steps_changed = threading.Condition()
         self._steps_stored = 0  # bumped whenever this front-end stores a step
         self._newest_stored = -1  # the newest step this front-end stored
+        # Steps other front-ends announced they stored (step -> their id), newest last.
+        self._stored_elsewhere: OrderedDict[int, str] = OrderedDict()
         self._stopping = False
         self._responses = ResponseCache(_RESPONSE_CACHE_BYTES)
         self._last_sync = time.monotonic()
@@ -306,6 +313,7 @@ class SidecarServicer:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, step)
                 self._steps_changed.notify_all()
+            self._peers.announce_stored(step)
             with self._unstored_lock:  # work for a lower step may have arrived meanwhile
                 del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
         self._move_out_old_steps()
@@ -323,6 +331,28 @@ class SidecarServicer:
         try:
             return self._payloads.get(key)
         except KeyError:
+            return None
+
+    def _stored_by(self, step: int, frontend_id: str) -> None:
+        """For a peer: it stored `step`; ranks waiting here for it are forwarded there."""
+        with self._steps_changed:
+            self._stored_elsewhere[step] = frontend_id
+            while len(self._stored_elsewhere) > _ANNOUNCEMENTS_KEPT:
+                self._stored_elsewhere.popitem(last=False)
+            self._steps_stored += 1  # wakes the waiting GetBatch calls
+            self._steps_changed.notify_all()
+
+    def _forwarded(self, holder: str, request: pb.GetBatchRequest, context) -> bytes | None:
+        """GetBatch answered by the front-end that stored the step (which then records the
+        fetch, in its order after the step's store); None if it cannot be reached (the
+        actor's path answers instead). Its errors are this call's errors."""
+        try:
+            return self._peers.forward_get_batch(holder, request)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                context.abort(exc.code(), exc.details())
+            with self._steps_changed:
+                self._stored_elsewhere.pop(int(request.step), None)
             return None
 
     def _response_of(self, step: int, rank: int) -> bytes | None:
@@ -389,6 +419,11 @@ class SidecarServicer:
                 self._calls.note(FetchNote(step, rank))
                 notify(self.events, "on_served", step, rank, response)
                 return response
+            holder = self._stored_elsewhere.get(step) if local else None
+            if holder is not None:  # another front-end stored it: it answers (and counts it)
+                forwarded = self._forwarded(holder, request, context)
+                if forwarded is not None:
+                    return forwarded
             # A step past the newest one stored here is most likely still being produced:
             # wait for this front-end's signal first and ask the actor only once a wait
             # times out (another front-end may have stored it; answers stay correct, the
@@ -623,7 +658,7 @@ def start_server(
             (
                 _rollout_ingest_handler(servicer),
                 _batch_serving_handler(servicer),
-                peer_handler(servicer._columns_of, servicer._response_of),
+                peer_handler(servicer._columns_of, servicer._response_of, servicer._stored_by),
             )
         )
         health_servicer = health.HealthServicer()

@@ -65,6 +65,11 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         assert stored_by == {"primary": [1, 3], "replica": [0, 2]}  # the completing side
         for step in range(4):  # re-fetches, each rank now from the other front-end
             assert [fetch(channels[1 - rank], step, rank) for rank in range(2)] == served[step]
+        # Without the holder's "stored" announcement, the actor's handle leads to the bytes.
+        for sidecar in front_ends:
+            sidecar.servicer._stored_elsewhere.clear()
+        for step in range(4):
+            assert [fetch(channels[rank], step, rank) for rank in range(2)] == served[step]
         # Every group is complete and every step stored: each front-end frees the batches
         # it decoded, although the other front-end materialized half of the steps.
         wait_until(

@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
-      [--stages] [--cpu]
+      [--replicas 1] [--stages] [--cpu]
 Cost: about a minute on 2 cores (Ray start-up included), both cases, one repeat; each
 further repeat about 20 s per case.
 
@@ -12,7 +12,9 @@ What runs, all on loopback in one invocation, per repeat:
    processes submit pre-generated complete groups with `RolloutWriter` (generation is
    outside the timed region; each keeps `--in-flight` batches in flight); two trainer-rank
    processes iterate `BatchLoader` over every step and read each microbatch's loss mask (no
-   model). Wall time runs from the start signal to the last rank's last step. The ranks
+   model). Wall time runs from the start signal to the last rank's last step. With
+   `--replicas N`, N-1 more front-ends (`rlfeed serve --join` processes, as `rlfeed serve
+   --replicas N` starts them) share the port; each client connection lands on one of them. The ranks
    import torch and set one torch thread before the start signal: a trainer has torch
    loaded long before its first step, and OpenMP workers spinning after each mask sum
    would take the cores the sidecar and producers share on a small machine.
@@ -21,8 +23,9 @@ What runs, all on loopback in one invocation, per repeat:
    process streams the producers' exact Arrow payloads to a sink (client streaming), then
    receives from a source (server streaming) messages of exactly the sizes the sidecar
    sent to the ranks (counted where they are sent, in the sidecar's `on_served` hook, so
-   the ranks' timed loop does no measuring). Raw time = both transfers, one after the
-   other.
+   the ranks' timed loop does no measuring; with replicas, whose hooks run in other
+   processes, each step's stored size from the actor, split evenly over the ranks). Raw
+   time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -147,6 +150,8 @@ def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
 def _role(pid: int, command: str, roles: dict[int, str]) -> str:
     if pid in roles:
         return roles[pid]
+    if "rlfeed serve --join" in command:
+        return "front-end replica"
     for marker in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py"):
         if marker in command:
             return f"ray {marker}"
@@ -214,9 +219,13 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     results.put(("trainer", rank, (time.perf_counter(), policy_tokens)))
 
 
-def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> dict:
+def run_e2e(
+    case: Case, producers: int, in_flight: int, cpu: bool = False, replicas: int = 1
+) -> dict:
+    import ray
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.events import ServerEvents
+    from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
 
     class ServedSizes(ServerEvents):
@@ -232,7 +241,7 @@ def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> di
     served = ServedSizes()
     config = with_overrides(
         SidecarConfig(),
-        server={"port": 0},
+        server={"port": 0, "replicas": replicas},
         batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
         rollouts={
             "prompts_per_step": case.prompts_per_step,
@@ -241,6 +250,7 @@ def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> di
         },
     )
     sidecar = start_server(config, events=served)
+    joined = start_replicas(config, sidecar.port, sidecar.actor) if replicas > 1 else None
     ctx = mp.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     from rlfeed.client.producer import RolloutWriter
@@ -276,6 +286,20 @@ def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> di
             else:
                 producer_seconds.append(value)
         seconds = max(ends) - started
+        if replicas > 1:  # the other front-ends' hooks ran elsewhere: sizes from the actor
+            records = []
+            for _ in range(600):  # the last steps' store notes may still be on their way
+                records = ray.get(sidecar.actor.step_records.remote(0))
+                if len(records) == case.steps:
+                    break
+                time.sleep(0.05)
+            served.sizes = [
+                size
+                for record in records
+                for size in np.diff(np.linspace(0, record.response_bytes, WORLD_SIZE + 1))
+                .round()
+                .astype(int)
+            ]
         if cpu:
             roles = {os.getpid(): "front-end (gRPC server; this process)"}
             roles.update({p.pid: f"producer {i}" for i, p in enumerate(processes[:producers])})
@@ -286,6 +310,8 @@ def run_e2e(case: Case, producers: int, in_flight: int, cpu: bool = False) -> di
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        if joined is not None:
+            joined.stop()
         sidecar.stop(grace=1.0)
     expected_policy = case.rollouts * (case.tokens - case.tokens // 4)
     assert policy_tokens == expected_policy, (policy_tokens, expected_policy)
@@ -468,12 +494,19 @@ def run_stages(case: Case) -> None:
 
 
 def run_case(
-    case: Case, producers: int, in_flight: int, stages: bool, repeats: int, cpu: bool = False
+    case: Case,
+    producers: int,
+    in_flight: int,
+    stages: bool,
+    repeats: int,
+    cpu: bool = False,
+    replicas: int = 1,
 ) -> None:
     print(
         f"\n== {case.name}: {case.rollouts:,} rollouts x {case.tokens:,} tokens, "
         f"{case.steps} steps of {case.prompts_per_step} x {case.group_size}, "
-        f"{producers} producer(s) with {in_flight} batch(es) in flight, {WORLD_SIZE} trainer ranks",
+        f"{producers} producer(s) with {in_flight} batch(es) in flight, {WORLD_SIZE} trainer ranks"
+        + (f", {replicas} front-ends" if replicas > 1 else ""),
         flush=True,
     )
     if stages:
@@ -486,7 +519,7 @@ def run_case(
         if repeats > 1:
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
-        e2e = run_e2e(case, producers, in_flight, cpu)
+        e2e = run_e2e(case, producers, in_flight, cpu, replicas)
         sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu)
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
@@ -551,6 +584,9 @@ def main() -> None:
     parser.add_argument(
         "--cpu", action="store_true", help="CPU seconds per process in the end-to-end window"
     )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="front-end processes on the sidecar's port"
+    )
     args = parser.parse_args()
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
@@ -559,7 +595,9 @@ def main() -> None:
             per_step = prompts * group
             rollouts = max(per_step, args.rollouts // per_step * per_step)
         case = Case(name, tokens, rollouts, prompts, group, args.batch_rollouts or batch, budget)
-        run_case(case, args.producers, args.in_flight, args.stages, args.repeats, args.cpu)
+        run_case(
+            case, args.producers, args.in_flight, args.stages, args.repeats, args.cpu, args.replicas
+        )
 
 
 if __name__ == "__main__":
