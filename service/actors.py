@@ -57,7 +57,8 @@ class SchedulerActor:
 
     def register_frontend(self, frontend_id: str, peer_address: str) -> int:
         """A front-end joined: other front-ends reach the ingest batches and responses it
-        holds at `peer_address`. Returns how many front-ends are registered."""
+        holds at `peer_address`; releases are kept for it from now on. Returns how many
+        front-ends are registered."""
         self._frontends[frontend_id] = peer_address
         self._outbox.setdefault(frontend_id, ([], []))
         return len(self._frontends)
@@ -108,7 +109,8 @@ class SchedulerActor:
         to the front-end holding it, a step to every front-end: any may hold its bytes)
         and hand `frontend_id` its share."""
         for owner, key in self._scheduler.take_released_payloads():
-            self._outbox.setdefault(owner, ([], []))[0].append(key)
+            if owner in self._outbox:  # a front-end that left took its memory along
+                self._outbox[owner][0].append(key)
         steps = self._scheduler.take_released_steps()
         if steps:
             for keys_and_steps in self._outbox.values():
@@ -116,7 +118,9 @@ class SchedulerActor:
                 # A front-end that stopped calling must not grow this without bound; a step
                 # it misses leaves its memory with the cache limit instead.
                 del keys_and_steps[1][:-_MAX_PENDING_STEP_RELEASES]
-        keys, released_steps = self._outbox.get(frontend_id, ([], []))
+        if frontend_id not in self._outbox:
+            return Releases()
+        keys, released_steps = self._outbox[frontend_id]
         self._outbox[frontend_id] = ([], [])
         return Releases(payload_keys=keys, steps=released_steps)
 

@@ -45,6 +45,17 @@ class ResponseCache:
             held[1].add(rank)
             return held[0][rank]
 
+    def serve_to_peer(self, step: int, rank: int) -> bytes | None:
+        """The response for a peer that answers `rank` with it (the actor recorded that
+        fetch), noted as served like a first fetch: a later fetch of the rank here asks the
+        actor, which may have released the step meanwhile. None if not here."""
+        with self._lock:
+            held = self._steps.get(step)
+            if held is None or not 0 <= rank < len(held[0]):
+                return None
+            held[1].add(rank)
+            return held[0][rank]
+
     def oldest_beyond(self) -> list[int]:
         """Oldest steps to drop for the rest to fit in 3/4 of max_bytes (none while the
         whole fits in max_bytes): a few large rounds, not one per step."""

@@ -9,16 +9,19 @@ with the actor) and answers these calls from its peers:
 - `GetPayload`: an ingest batch's token columns, by key, as an Arrow IPC stream (one row per
   rollout, `large_list` columns sharing the batch's offsets: built over the held arrays
   without a copy, written with one).
-- `GetStoredResponse`: a rank's response of a step, the exact bytes served.
+- `GetStoredResponse`: a rank's response of a step, the exact bytes served (the rank counts
+  as served there, as after a first fetch).
 - `StepStored`: "I stored step s": a front-end announces each step it materialized, so a
   rank waiting for it at another front-end is answered at once, by forwarding its
   GetBatch to the announcer (the public BatchServing service, which the peer address also
   serves: the announcer records the fetch in its own order, after the step's store).
 
 Internal and versioned with the code (every replica runs the same build): raw bytes through
-generic handlers, not part of the public `rlfeed.proto` contract. A key or step the peer no
-longer holds is NOT_FOUND; the scheduler's release rules make that an answer only for a
-step moved out meanwhile (ask the actor again), never for a batch a planned step reads.
+generic handlers, not part of the public `rlfeed.proto` contract, served by a server of
+its own on the peer address only (with the public BatchServing, for forwarded fetches). A
+key or step the peer no longer holds is NOT_FOUND; the scheduler's release rules make that
+an answer only for a step moved out meanwhile (ask the actor again), never for a batch a
+planned step reads.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ _COLUMNS_SCHEMA = pa.schema(
         ("sampler_logprobs", pa.large_list(pa.float32())),
     ]
 )
+
+
+def _timeout(caller_seconds: float | None) -> float:
+    """A peer call never outlives its caller's deadline, nor _PEER_CALL_SECONDS."""
+    if caller_seconds is None:
+        return _PEER_CALL_SECONDS
+    return max(min(caller_seconds, _PEER_CALL_SECONDS), 0.001)
 
 
 def encode_columns(columns: TokenColumns) -> bytes:
@@ -172,12 +182,15 @@ class PeerClient:
         call = self._channel(frontend_id).unary_unary(f"/{PEER_SERVICE}/GetPayload")
         return decode_columns(call(_KEY.pack(key), timeout=_PEER_CALL_SECONDS))
 
-    def stored_response(self, frontend_id: str, step: int, rank: int) -> bytes | None:
-        """Another front-end's stored response bytes, or None if it no longer holds the
-        step (moved out to the object store meanwhile: ask the actor again)."""
+    def stored_response(
+        self, frontend_id: str, step: int, rank: int, timeout_s: float | None
+    ) -> bytes | None:
+        """Another front-end's stored response bytes (it notes `rank` served), or None if
+        it no longer holds the step (moved out to the object store meanwhile: ask the
+        actor again). grpc.RpcError / RuntimeError if it cannot be reached."""
         call = self._channel(frontend_id).unary_unary(f"/{PEER_SERVICE}/GetStoredResponse")
         try:
-            return call(_STEP_RANK.pack(step, rank), timeout=_PEER_CALL_SECONDS)
+            return call(_STEP_RANK.pack(step, rank), timeout=_timeout(timeout_s))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -201,15 +214,18 @@ class PeerClient:
         with self._lock:
             self._announcing.discard(future)
 
-    def forward_get_batch(self, frontend_id: str, request: pb.GetBatchRequest) -> bytes:
-        """The public GetBatch, asked of the front-end that stored the step: its answer's
-        bytes, unchanged. grpc.RpcError as that front-end answered (NOT_FOUND, ...)."""
+    def forward_get_batch(
+        self, frontend_id: str, request: pb.GetBatchRequest, timeout_s: float | None
+    ) -> bytes:
+        """The public GetBatch, asked of the front-end that stored the step (within the
+        caller's `timeout_s`): its answer's bytes, unchanged. grpc.RpcError as that
+        front-end answered (NOT_FOUND, ...); RuntimeError if it is not registered."""
         call = self._channel(frontend_id).unary_unary(
             "/rlfeed.v1.BatchServing/GetBatch",
             request_serializer=pb.GetBatchRequest.SerializeToString,
             response_deserializer=None,
         )
-        return call(request, timeout=_PEER_CALL_SECONDS)
+        return call(request, timeout=_timeout(timeout_s))
 
     def close(self) -> None:
         with self._lock:

@@ -10,6 +10,12 @@ over them, and each registers a private peer address with the actor, through whi
 others fetch the ingest batches and step responses it holds (`service/peers.py`). Each
 replica with metrics serves them on `metrics_port + i`: its own front-end's counters (sum
 them over replicas) and the actor's gauges (the same in every replica).
+
+The front-ends are one sidecar, not independent servers: each holds ingest batches that
+steps of the others read and responses that ranks anywhere may ask for, so one leaving
+alone would strand them. The first process therefore stops the whole sidecar (exit 1) when
+a replica exits, and stops its replicas when it stops. Letting a single front-end leave
+(drain: hand its batches and responses to the object store first) is not built yet.
 """
 
 from __future__ import annotations

@@ -129,8 +129,12 @@ class SidecarServicer:
         config: SidecarConfig,
         actor: ray.actor.ActorHandle,
         events: ServerEvents | None = None,
+        *,
+        replica: bool = False,
     ) -> None:
         self.config = config
+        # Announce stored steps to the other front-ends (there are none by default).
+        self._announce = replica or config.server.replicas > 1
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
         self._id = uuid.uuid4().hex
@@ -251,13 +255,18 @@ class SidecarServicer:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
         notify(self.events, "on_reject", error, rollouts=rollouts, tokens=tokens)
 
-    def _wake_assembler(self) -> None:
+    def start_assembler(self) -> None:
+        """Start the thread that materializes planned steps and, when idle, sends notes and
+        collects releases (so a front-end that never plans a step still frees batches)."""
         with self._assembler_lock:
             if self._assembler is None and not self._stopping:
                 self._assembler = threading.Thread(
                     target=self._assemble_loop, name="rlfeed-assembler", daemon=True
                 )
                 self._assembler.start()
+
+    def _wake_assembler(self) -> None:
+        self.start_assembler()
         self._steps_ready.set()
 
     def _assemble_loop(self) -> None:
@@ -313,7 +322,8 @@ class SidecarServicer:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, step)
                 self._steps_changed.notify_all()
-            self._peers.announce_stored(step)
+            if self._announce:
+                self._peers.announce_stored(step)
             with self._unstored_lock:  # work for a lower step may have arrived meanwhile
                 del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
         self._move_out_old_steps()
@@ -345,22 +355,27 @@ class SidecarServicer:
     def _forwarded(self, holder: str, request: pb.GetBatchRequest, context) -> bytes | None:
         """GetBatch answered by the front-end that stored the step (which then records the
         fetch, in its order after the step's store); None if it cannot be reached (the
-        actor's path answers instead). Its errors are this call's errors."""
+        announcement is forgotten and the actor's path answers instead). Its answers,
+        NOT_FOUND and INVALID_ARGUMENT included, are this call's answers."""
         try:
-            return self._peers.forward_get_batch(holder, request)
+            return self._peers.forward_get_batch(holder, request, context.time_remaining())
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 context.abort(exc.code(), exc.details())
-            with self._steps_changed:
-                self._stored_elsewhere.pop(int(request.step), None)
-            return None
+        except RuntimeError:  # not registered (any more)
+            pass
+        with self._steps_changed:
+            self._stored_elsewhere.pop(int(request.step), None)
+        return None
 
     def _response_of(self, step: int, rank: int) -> bytes | None:
-        """For a peer: a stored response this front-end holds."""
-        responses = self._responses.get(step)
-        if responses is None or not 0 <= rank < len(responses):
-            return None
-        return responses[rank]
+        """For a peer answering `rank` with it (the actor recorded the fetch): a stored
+        response this front-end holds, the rank then noted served here."""
+        response = self._responses.serve_to_peer(step, rank)
+        if response is None:
+            with self._storing:  # the actor may have seen the note before the cache the bytes
+                response = self._responses.serve_to_peer(step, rank)
+        return response
 
     def _move_out_old_steps(self) -> None:
         """Keep this front-end's memory bounded: of the oldest steps beyond the cache size,
@@ -431,10 +446,11 @@ class SidecarServicer:
             ahead = local and step > self._newest_stored and not timed_out
             kind, value = ("waiting", None) if ahead else self._ask_fetch(step, rank)
             if kind == "ready":
-                response = self._stored_response(step, rank, value)
+                response = self._stored_response(step, rank, value, context)
                 if response is None:  # moved out meanwhile: the next answer has the reference
                     kind, value = self._ask_fetch(step, rank)
-                    response = self._stored_response(step, rank, value) if kind == "ready" else None
+                    if kind == "ready":
+                        response = self._stored_response(step, rank, value, context)
                 if response is not None:
                     notify(self.events, "on_served", step, rank, response)
                     return response
@@ -467,10 +483,11 @@ class SidecarServicer:
     def _ask_fetch(self, step: int, rank: int) -> tuple[str, object]:
         return ray.get(self._calls.submit("fetch_batch", step, rank))
 
-    def _stored_response(self, step: int, rank: int, handle) -> bytes | None:
+    def _stored_response(self, step: int, rank: int, handle, context) -> bytes | None:
         """The bytes behind the actor's handle of (step, rank): from this front-end's
         memory, the memory of the front-end whose marker it is, or the object store; None
-        if the front-end holding it has moved it out meanwhile (ask the actor again)."""
+        if the front-end holding it has moved it out meanwhile (ask the actor again). A
+        holder that cannot be reached answers the call UNAVAILABLE (ask again later)."""
         cached = self._responses.get(step)
         if cached is None and handle == self._marker:
             with self._storing:  # the actor may have seen the note before the cache the bytes
@@ -480,7 +497,15 @@ class SidecarServicer:
         if isinstance(handle, list):  # [ObjectRef]
             return ray.get(handle[0])
         if isinstance(handle, tuple) and handle != self._marker:  # ("front-end", its id)
-            return self._peers.stored_response(handle[1], step, rank)
+            try:
+                return self._peers.stored_response(handle[1], step, rank, context.time_remaining())
+            except (grpc.RpcError, RuntimeError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"step {step} is held by front-end {handle[1]}, which cannot be reached: "
+                    f"{detail}",
+                )
         return None
 
     @_unavailable_when_ray_fails
@@ -556,6 +581,7 @@ class SidecarServer:
     actor: ray.actor.ActorHandle
     started_ray: bool
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
+    peer_server: grpc.Server | None = None  # the other front-ends' way in
     peer_address: str = ""  # where the other front-ends reach this one's memory
     _stopped: bool = field(default=False, repr=False)
 
@@ -571,6 +597,8 @@ class SidecarServer:
             self.health.enter_graceful_shutdown()
             self.servicer.release_waiters()
             self.server.stop(grace).wait(grace + 1.0)
+            if self.peer_server is not None:
+                self.peer_server.stop(grace).wait(grace + 1.0)
             self.servicer.close_peers()
             if not self.owns_actor:  # the sidecar runs on; its releases need not wait for us
                 with contextlib.suppress(ray.exceptions.RayError):  # stopped first: it is gone
@@ -618,6 +646,34 @@ def _peer_host(host: str) -> str:
     return host
 
 
+def _start_peer_server(config: SidecarConfig, servicer: SidecarServicer) -> tuple[grpc.Server, str]:
+    """The server the other front-ends reach this one at, on a port of its own (the public
+    port never serves the peer service): the peer service and BatchServing (forwarded
+    fetches). Returns it started, with its address."""
+    limit = config.server.max_message_bytes
+    peer_server = grpc.server(
+        futures.ThreadPoolExecutor(
+            max_workers=config.server.max_workers, thread_name_prefix="rlfeed-peer"
+        ),
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ],
+    )
+    peer_server.add_generic_rpc_handlers(
+        (
+            peer_handler(servicer._columns_of, servicer._response_of, servicer._stored_by),
+            _batch_serving_handler(servicer),
+        )
+    )
+    host = _peer_host(config.server.host)
+    port = peer_server.add_insecure_port(f"{host}:0")
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {host} for the other front-ends")
+    peer_server.start()
+    return peer_server, f"{host}:{port}"
+
+
 def start_server(
     config: SidecarConfig,
     ray_address: str | None = None,
@@ -632,15 +688,16 @@ def start_server(
     named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
     does when `[server] replicas` > 1) and leaves the actor running when it stops."""
     started_ray = _connect_ray(config, ray_address)
-    actor = server = None
+    actor = server = peer_server = None
     shared_port = join or config.server.replicas > 1
     try:
         if join:
             actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
         else:
             actor = create_scheduler_actor(config)
-        servicer = SidecarServicer(config, actor, events)
+        servicer = SidecarServicer(config, actor, events, replica=join)
         limit = config.server.max_message_bytes
+        peer_server, peer_address = _start_peer_server(config, servicer)
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=config.server.max_workers, thread_name_prefix="rlfeed-grpc"
@@ -655,11 +712,7 @@ def start_server(
         pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
         pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers(
-            (
-                _rollout_ingest_handler(servicer),
-                _batch_serving_handler(servicer),
-                peer_handler(servicer._columns_of, servicer._response_of, servicer._stored_by),
-            )
+            (_rollout_ingest_handler(servicer), _batch_serving_handler(servicer))
         )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -673,18 +726,16 @@ def start_server(
             raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"cannot listen on {target} (port in use?)")
-        peer_host = _peer_host(config.server.host)
-        peer_port = server.add_insecure_port(f"{peer_host}:0")
-        if peer_port == 0:
-            raise RuntimeError(f"cannot listen on {peer_host} for the other front-ends")
-        peer_address = f"{peer_host}:{peer_port}"
         ray.get(actor.register_frontend.remote(servicer._id, peer_address))
         server.start()
+        servicer.start_assembler()
         for name in ("", *SERVICE_NAMES):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         if server is not None:
             server.stop(0)
+        if peer_server is not None:
+            peer_server.stop(0)
         if actor is not None and not join:
             ray.kill(actor)
         if started_ray:
@@ -699,5 +750,6 @@ def start_server(
         actor=actor,
         started_ray=started_ray,
         owns_actor=not join,
+        peer_server=peer_server,
         peer_address=peer_address,
     )

@@ -18,6 +18,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.server import start_server
@@ -83,6 +84,60 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         replica.stop(grace=0.5)
 
 
+def test_a_front_end_that_never_completes_a_step_still_frees_its_batches(make_sidecar) -> None:
+    """The replica only ever decodes first halves of groups; the primary completes, and so
+    materializes, every step. The replica learns of the releases without an ingest of its
+    own (its idle poll), and ends holding nothing."""
+    primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 1, "retained_steps": 1})
+    replica = start_server(primary.config, join=True)
+    try:
+        rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(22))
+        channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]
+        pb_grpc.TaskSamplingStub(channels[0]).RegisterTasks(
+            pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
+        )
+        for step in range(3):
+            for front_end, half in ((1, (0, 1)), (0, (2, 3))):
+                rows = [r for r in range(8 * step, 8 * step + 8) if r % 4 in half]
+                batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=2 * step)
+                pb_grpc.RolloutIngestStub(channels[front_end]).SubmitRolloutBatch(batch, timeout=30)
+        served = [fetch(channels[0], step, 0) for step in range(3)]
+        ids = [rid for step in served for rid in check_served_step([step], rollouts)]
+        assert sorted(ids) == sorted(rollouts.rollout_ids)
+        wait_until(
+            lambda: len(replica.servicer._payloads) == 0,
+            f"the replica still holds {len(replica.servicer._payloads)} batches",
+        )
+        for channel in channels:
+            channel.close()
+    finally:
+        replica.stop(grace=0.5)
+
+
+def test_the_peer_service_is_not_on_the_public_port_and_a_lost_holder_falls_back(
+    make_sidecar,
+) -> None:
+    """Only front-ends, at their peer address, reach the peer service; an announcement
+    naming a front-end that is gone costs nothing but the actor's path."""
+    sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 1})
+    rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(23))
+    with grpc.insecure_channel(sidecar.address) as channel:
+        pb_grpc.TaskSamplingStub(channel).RegisterTasks(
+            pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
+        )
+        announce = channel.unary_unary("/rlfeed.internal.v1.FrontEndPeer/StepStored")
+        with pytest.raises(grpc.RpcError) as error:
+            announce(b"\0" * 8 + b"nobody", timeout=10)
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(), sequence=0)
+        pb_grpc.RolloutIngestStub(channel).SubmitRolloutBatch(batch, timeout=30)
+        first = fetch(channel, 0, 0)
+        check_served_step([first], rollouts)
+        sidecar.servicer._stored_by(0, "a-front-end-that-left")
+        assert fetch(channel, 0, 0) == first  # the re-fetch would be forwarded: falls back
+        assert 0 not in sidecar.servicer._stored_elsewhere  # and the announcement is gone
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -128,3 +183,29 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
         except ProcessLookupError:
             continue
         raise AssertionError(f"replica {pid} outlived the sidecar")
+
+
+def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:
+    """A replica holds data the other front-ends need: the sidecar does not run on
+    without it (exit 1, saying which replica), nor leave any process behind."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", "--port", str(_free_port()), "--replicas", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in serve.stdout:
+            if "listening on" in line:
+                break
+        (replica,) = subprocess.run(
+            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+        ).stdout.split()
+        os.kill(int(replica), signal.SIGKILL)
+        rest, _ = serve.communicate(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert serve.returncode == 1, rest[-3000:]
+    assert f"replica 1 (pid {replica}) exited with code -9; stopping the sidecar" in rest

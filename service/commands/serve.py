@@ -22,8 +22,9 @@ section; a port in use exits 1.
 With `--replicas N` (`[server] replicas`) this process starts N-1 more front-ends,
 `rlfeed serve --join` processes on the same port and scheduler actor (see
 `rlfeed.service.replicas`), waits for them before printing the listening line, and stops
-them when it stops; if one exits, the whole sidecar stops (exit 1). `--join` is that
-replica mode: it needs `--ray-address` and leaves the actor running when it stops.
+them when it stops; if one exits, the whole sidecar stops (exit 1): the front-ends hold
+each other's data. `--join` is that replica mode, for `--replicas` to start: it needs
+`--ray-address` and leaves the actor running when it stops.
 """
 
 from __future__ import annotations
