@@ -43,15 +43,16 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --rollouts 2048 --cpu`, 32 steps): the raw
-stream takes ~0.46 s and ~0.85 CPU-s (both ends; it already fills both cores). End to end
-takes ~1.75 s and ~3.0 CPU-s: front-end 1.0-1.3 (of which gRPC receive + send ~0.43, as
-the raw server; decode + validate + the ingest actor call ~0.3; materialization ~0.3),
-scheduler actor ~0.3, producers 2 x ~0.27 (2 x ~0.2 since the writer joins the rows'
-arrays straight into the batch: -30% in alternating runs), ranks 2 x ~0.3, Ray's daemons
-< 0.05. With
-both cores busy the e2e / raw ratio cannot exceed about 0.85 / 3.0 here, so reaching 50%
-on 2 cores needs the whole pipeline, clients included, near twice the raw stream's CPU.
-Larger writer batches cut the per-batch costs (`--batch-rollouts 32`: ~38%).
+stream takes ~0.37 s and ~0.75 CPU-s (both ends; it already fills both cores). End to end
+takes ~1.15-1.3 s and ~1.9-2.2 CPU-s: front-end 0.85-1.0 (gRPC receive + send about as the
+raw server, ~0.4; the rest decode, validate, actor calls, materialization), scheduler
+actor ~0.25-0.3, producers 2 x ~0.15, ranks 2 x ~0.23, Ray's daemons < 0.05. Minor page
+faults were a large share until the front-end dropped released steps' responses (91k ->
+~40k) and the loader stopped widening position ids. With both cores busy the ratio cannot
+exceed about 0.75 / 2.0 here. The writer's batch size matters (`--batch-rollouts`, median
+of 3): 16 rollouts (1.1 MiB, the default here) ~32%, 64 (4.5 MiB) ~42%, 128 (9 MiB) ~43%,
+256 (18 MiB) ~37%. `--replicas 2` on 2 cores is slower (~20%): the front-ends fetch each
+other's batches and responses and no core is free for the second interpreter.
 """
 
 from __future__ import annotations
