@@ -318,14 +318,19 @@ class SidecarServicer:
             with self._storing:
                 self._calls.note(StoreStepNote(step, [self._marker] * len(responses), size))
                 self._responses.put(step, responses)
+                # Stored: never built again, whatever fails below (the actor will release
+                # the batches it read). Work for a lower step may have arrived meanwhile.
+                with self._unstored_lock:
+                    del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
             with self._steps_changed:
                 self._steps_stored += 1
                 self._newest_stored = max(self._newest_stored, step)
                 self._steps_changed.notify_all()
             if self._announce:
-                self._peers.announce_stored(step)
-            with self._unstored_lock:  # work for a lower step may have arrived meanwhile
-                del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
+                try:  # best effort: a waiting rank elsewhere then takes the actor's path
+                    self._peers.announce_stored(step)
+                except Exception:
+                    _log.warning("rlfeed: announcing step %d to the other front-ends failed", step)
         self._move_out_old_steps()
 
     def _resolve_payload(self, handle: tuple[str, int]) -> TokenColumns:

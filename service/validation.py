@@ -160,7 +160,8 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             reason="token_out_of_range",
         )
     if not _within(batch.action_mask, 0, 1):
-        position = int(np.flatnonzero(batch.action_mask > 1)[0])
+        mask = batch.action_mask
+        position = int(np.flatnonzero((mask > 1) | (mask < 0))[0])
         row = _rollout_of_token(batch.offsets, position)
         raise rollout_error(
             batch.rollout_ids[row],

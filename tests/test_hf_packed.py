@@ -189,6 +189,23 @@ def test_hf_packed_logprobs_match_unpacked_with_position_ids_only(hf_setting):
     assert ratio_outlier_share(trainer, sampler, packed["loss_mask"]) == 0.0
 
 
+def test_hf_takes_the_int32_ids_and_positions_the_loader_serves(hf_setting):
+    """BatchLoader hands over input_ids and position_ids as int32 (zero-copy from the
+    served bytes): exactly the log-probs of the int64 tensors."""
+    model, packed, _ = hf_setting
+    as_served, widened = (
+        hf_logprobs(
+            model,
+            packed["input_ids"].to(dtype),
+            packed["targets"],
+            position_ids=packed["position_ids"].to(dtype),
+            use_cache=False,
+        )
+        for dtype in (torch.int32, torch.int64)
+    )
+    torch.testing.assert_close(as_served, widened, rtol=0, atol=0)
+
+
 def test_hf_packed_logprobs_match_unpacked_with_our_block_mask(hf_setting):
     model, packed, sampler = hf_setting
     trainer = hf_logprobs(

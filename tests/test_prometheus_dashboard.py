@@ -294,7 +294,7 @@ def test_every_dashboard_query_returns_data_from_prometheus_scraping_a_live_demo
         # The pass-rate panel shows the curriculum's real estimates: every task, spread out.
         buckets = {
             s["metric"]["le"]: float(s["value"][1])
-            for s in query(prometheus, "sum by (le) (rlfeed_curriculum_pass_rate_bucket)", at)
+            for s in query(prometheus, "max by (le) (rlfeed_curriculum_pass_rate_bucket)", at)
         }
         assert buckets["+Inf"] == FleetConfig().num_tasks
         counts = np.diff([0.0] + [buckets[repr(b)] for b in PASS_RATE_BUCKETS])
