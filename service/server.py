@@ -651,20 +651,24 @@ def _peer_host(host: str) -> str:
     return host
 
 
+def _grpc_server(config: SidecarConfig, name: str, *options: tuple[str, int]) -> grpc.Server:
+    """A threaded gRPC server with the sidecar's message size limit both ways."""
+    limit = config.server.max_message_bytes
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix=name),
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            *options,
+        ],
+    )
+
+
 def _start_peer_server(config: SidecarConfig, servicer: SidecarServicer) -> tuple[grpc.Server, str]:
     """The server the other front-ends reach this one at, on a port of its own (the public
     port never serves the peer service): the peer service and BatchServing (forwarded
     fetches). Returns it started, with its address."""
-    limit = config.server.max_message_bytes
-    peer_server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=config.server.max_workers, thread_name_prefix="rlfeed-peer"
-        ),
-        options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ],
-    )
+    peer_server = _grpc_server(config, "rlfeed-peer")
     peer_server.add_generic_rpc_handlers(
         (
             peer_handler(servicer._columns_of, servicer._response_of, servicer._stored_by),
@@ -701,19 +705,9 @@ def start_server(
         else:
             actor = create_scheduler_actor(config)
         servicer = SidecarServicer(config, actor, events, replica=join)
-        limit = config.server.max_message_bytes
         peer_server, peer_address = _start_peer_server(config, servicer)
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.server.max_workers, thread_name_prefix="rlfeed-grpc"
-            ),
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-                # A busy port is an error, not a shared socket, unless replicas share it.
-                ("grpc.so_reuseport", int(shared_port)),
-            ],
-        )
+        # A busy port is an error, not a shared socket, unless replicas share it.
+        server = _grpc_server(config, "rlfeed-grpc", ("grpc.so_reuseport", int(shared_port)))
         pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
         pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers(
