@@ -90,9 +90,8 @@ def run_demo(
         if exporter is not None:
             try:
                 exporter.start(sidecar.actor)
-            except OSError as exc:
-                where = f"{config.server.metrics_host}:{config.server.metrics_port}"
-                print(f"rlfeed demo: cannot serve metrics on {where}: {exc}", file=sys.stderr)
+            except OSError as exc:  # names the address
+                print(f"rlfeed demo: {exc}", file=sys.stderr)
                 return 1
             print(
                 f"metrics: {exporter.url}/metrics, layout picture: {exporter.url}/layout.png",

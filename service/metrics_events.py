@@ -122,17 +122,17 @@ class SidecarExporter:
 
     def start(self, actor: Any, *, port: int | None = None) -> MetricsServer:
         """Refresh levels from `actor` before scrapes and serve on `[server] metrics_host`
-        at `port` (default `[server] metrics_port`; 0 picks a free port). OSError when the
-        port is taken."""
+        at `port` (default `[server] metrics_port`; 0 picks a free port). OSError naming
+        the address when it cannot be served (e.g. the port is taken)."""
         if self.http is not None:
             raise RuntimeError("SidecarExporter already started")
         self.metrics.set_refresh(scheduler_refresh(self.metrics, actor))
-        server = self.config.server
-        self.http = MetricsServer(
-            self.metrics,
-            host=server.metrics_host,
-            port=server.metrics_port if port is None else port,
-        ).start()
+        host = self.config.server.metrics_host
+        port = self.config.server.metrics_port if port is None else port
+        try:
+            self.http = MetricsServer(self.metrics, host=host, port=port).start()
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
         return self.http
 
     @property

@@ -392,3 +392,17 @@ def test_rlfeed_serve_metrics_port_serves_on_loopback_until_sigterm(tmp_path):
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def test_a_taken_metrics_port_is_an_error_naming_the_address() -> None:
+    import socket
+
+    from rlfeed.service.config import SidecarConfig, with_overrides
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        exporter = SidecarExporter(with_overrides(SidecarConfig(), server={"metrics_port": port}))
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
+            exporter.start(actor=None)

@@ -132,9 +132,8 @@ def run(args: argparse.Namespace) -> int:
         if exporter is not None:
             try:
                 exporter.start(sidecar.actor)
-            except OSError as exc:
-                where = f"{config.server.metrics_host}:{config.server.metrics_port}"
-                print(f"rlfeed serve: cannot serve metrics on {where}: {exc}", file=sys.stderr)
+            except OSError as exc:  # names the address
+                print(f"rlfeed serve: {exc}", file=sys.stderr)
                 return 1
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
