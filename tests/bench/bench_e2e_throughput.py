@@ -10,7 +10,8 @@ What runs, all on loopback in one invocation, per repeat:
 
 1. **End to end.** `start_server` on an embedded local Ray (the real sidecar). `--producers`
    processes submit pre-generated complete groups with `RolloutWriter` (generation is
-   outside the timed region; each keeps `--in-flight` batches in flight); two trainer-rank
+   outside the timed region; each keeps `--in-flight` batches in flight, and stays up
+   until the window ends, as an inference server would); two trainer-rank
    processes iterate `BatchLoader` over every step and read each microbatch's loss mask (no
    model). Wall time runs from the start signal to the last rank's last step. With
    `--replicas N`, N-1 more front-ends (`rlfeed serve --join` processes, as `rlfeed serve
@@ -179,7 +180,14 @@ def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str])
 
 
 def producer_main(
-    case: Case, address: str, producer: int, producers: int, in_flight: int, go, results
+    case: Case,
+    address: str,
+    producer: int,
+    producers: int,
+    in_flight: int,
+    go,
+    results,
+    finished,
 ) -> None:
     from rlfeed.client.producer import RolloutWriter
 
@@ -197,6 +205,9 @@ def producer_main(
         writer.write(**row)
     writer.close()
     results.put(("producer", producer, time.perf_counter() - started))
+    # An inference server does not exit after its rollouts: stay up until the window ends,
+    # so this process's teardown (a full GC of the interpreter) is not timed.
+    finished.wait(timeout=600)
 
 
 def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
@@ -253,7 +264,7 @@ def run_e2e(
     sidecar = start_server(config, events=served)
     joined = start_replicas(config, sidecar.port, sidecar.actor) if replicas > 1 else None
     ctx = mp.get_context("spawn")
-    go, results = ctx.Event(), ctx.Queue()
+    go, results, finished = ctx.Event(), ctx.Queue(), ctx.Event()
     from rlfeed.client.producer import RolloutWriter
 
     with RolloutWriter(sidecar.address) as writer:
@@ -261,7 +272,7 @@ def run_e2e(
     processes = [
         ctx.Process(
             target=producer_main,
-            args=(case, sidecar.address, p, producers, in_flight, go, results),
+            args=(case, sidecar.address, p, producers, in_flight, go, results, finished),
         )
         for p in range(producers)
     ] + [
@@ -307,6 +318,7 @@ def run_e2e(
             roles.update({p.pid: f"trainer rank {r}" for r, p in enumerate(processes[producers:])})
             report_cpu(cpu_before, cpu_snapshot(), seconds, roles)
     finally:
+        finished.set()
         for process in processes:
             process.join(timeout=30)
             if process.is_alive():
