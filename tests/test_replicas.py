@@ -209,3 +209,23 @@ def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:
             serve.wait()
     assert serve.returncode == 1, rest[-3000:]
     assert f"replica 1 (pid {replica}) exited with code -9; stopping the sidecar" in rest
+
+
+def test_a_replica_that_cannot_start_fails_the_start_naming_it() -> None:
+    """Replica 1 serves metrics on metrics_port + 1; with that port taken it exits at once,
+    and `rlfeed serve` fails its start (exit 1) instead of running short of a front-end."""
+    metrics_port = _free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", metrics_port + 1))
+        taken.listen()
+        command = [sys.executable, "-m", "rlfeed", "serve", "--port", str(_free_port())]
+        serve = subprocess.run(
+            [*command, "--replicas", "2", "--metrics-port", str(metrics_port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert serve.returncode == 1, serve.stdout[-2000:] + serve.stderr[-3000:]
+    assert "cannot start the front-end replicas: replica 1" in serve.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port + 1}" in serve.stderr
+    assert "listening on" not in serve.stdout
