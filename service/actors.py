@@ -180,7 +180,7 @@ class SchedulerActor:
         return "ok", None
 
     def status(self) -> Any:
-        return self._scheduler.status()
+        return replace(self._scheduler.status(), front_ends=len(self._frontends))
 
     def step_records(self, since_step: int = 0) -> list:
         """Step statistics with step >= since_step (for the metrics exporter)."""

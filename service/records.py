@@ -207,3 +207,4 @@ class StatusSnapshot:
     # groups'), and closed groups remembered (at most `dedup_window_groups`).
     remembered_rollout_ids: int = 0
     remembered_closed_groups: int = 0
+    front_ends: int = 0  # registered with the scheduler actor (set by the actor)

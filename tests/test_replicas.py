@@ -78,6 +78,10 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
             f"batches still held: {len(primary.servicer._payloads)}, "
             f"{len(replica.servicer._payloads)}",
         )
+        status = pb_grpc.SidecarStatusStub(channels[0])
+        assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 2
+        replica.stop(grace=0.5)  # leaves the actor running, and unregisters
+        assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 1
         for channel in channels:
             channel.close()
     finally:
@@ -172,6 +176,13 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
             timeout=300,
         )
         assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+        status = subprocess.run(
+            [sys.executable, "-m", "rlfeed", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "front-ends       2" in status.stdout, status.stdout + status.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
         rest, _ = serve.communicate(timeout=60)

@@ -3,8 +3,9 @@
     rlfeed status                          # 127.0.0.1:50051
     rlfeed status --address host:7000 --json
 
-Shows health (grpc.health.v1), the next step, buffered rollouts and bytes, tasks inside and
-outside the pass-rate filter, steps still waiting for ranks, and the counters. Exits 1 with
+Shows health (grpc.health.v1), the next step, the gRPC front-ends serving (more than one
+with `rlfeed serve --replicas`), buffered rollouts and bytes, tasks inside and outside the
+pass-rate filter, steps still waiting for ranks, and the counters. Exits 1 with
 a clear message when nothing answers at the address.
 """
 
@@ -53,6 +54,7 @@ def _text(address: str, health: str, status) -> str:
         f"  next step        {status.next_step}  (world size {status.world_size}, "
         f"{status.prompts_per_step} groups x {status.group_size} rollouts per step, "
         f"token budget {status.token_budget})",
+        f"  front-ends       {status.front_ends}",
         f"  buffered         {status.buffered_rollouts} rollouts, {_mib(status.buffered_bytes)} "
         f"({status.open_groups} open groups, {status.complete_groups} complete)",
         f"  tasks            {status.tasks_total}: {status.tasks_inside_filter} inside the "
