@@ -213,7 +213,7 @@ class Counters(_message.Message):
     def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ..., tasks_requested: _Optional[int] = ..., rollouts_saved_by_filter: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends")
+    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends", "notes_refused")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class StatusResponse(_message.Message):
     LAST_REPORTS_FIELD_NUMBER: _ClassVar[int]
     OPEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     FRONT_ENDS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     version: str
     next_step: int
     buffered_rollouts: int
@@ -252,4 +253,5 @@ class StatusResponse(_message.Message):
     last_reports: _containers.RepeatedCompositeFieldContainer[TrainerReport]
     open_groups: int
     front_ends: int
-    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ...) -> None: ...
+    notes_refused: int
+    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ..., notes_refused: _Optional[int] = ...) -> None: ...

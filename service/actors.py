@@ -49,6 +49,7 @@ class SchedulerActor:
         # Never materializes (front-ends do); reports what it stops needing.
         self._scheduler = Scheduler(config, track_releases=True)
         self._frontends: dict[str, str] = {}  # front-end id -> its peer address
+        self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
         # What each front-end may free, kept until its next call that returns Releases.
         self._outbox: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -102,6 +103,7 @@ class SchedulerActor:
                 else:
                     raise ValueError("unknown kind of note")
             except ValueError:
+                self._notes_refused += 1
                 _log.exception("rlfeed scheduler: note %r refused", note)
 
     def _take_releases(self, frontend_id: str) -> Releases:
@@ -180,7 +182,11 @@ class SchedulerActor:
         return "ok", None
 
     def status(self) -> Any:
-        return replace(self._scheduler.status(), front_ends=len(self._frontends))
+        return replace(
+            self._scheduler.status(),
+            front_ends=len(self._frontends),
+            notes_refused=self._notes_refused,
+        )
 
     def step_records(self, since_step: int = 0) -> list:
         """Step statistics with step >= since_step (for the metrics exporter)."""

@@ -383,6 +383,7 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
         complete_groups=snapshot.complete_groups,
         open_groups=snapshot.open_groups,
         front_ends=snapshot.front_ends,
+        notes_refused=snapshot.notes_refused,
         tasks_total=snapshot.tasks_total,
         tasks_inside_filter=snapshot.tasks_inside_filter,
         tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,

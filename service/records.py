@@ -208,3 +208,4 @@ class StatusSnapshot:
     remembered_rollout_ids: int = 0
     remembered_closed_groups: int = 0
     front_ends: int = 0  # registered with the scheduler actor (set by the actor)
+    notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)

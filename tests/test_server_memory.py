@@ -190,3 +190,20 @@ def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:
         thread.start()
         thread.join(timeout=30)
     assert isinstance(replies["bad"], RuntimeError) and replies["b4"] == "reply to b4"
+
+
+def test_a_refused_note_is_counted_and_shown_by_status() -> None:
+    """A note the scheduler refuses is a bug of rlfeed, not of the input: it is skipped (the
+    call it rode on goes on), counted, and `rlfeed status` says so loudly."""
+    from rlfeed.service.actors import SchedulerActor
+    from rlfeed.service.codec import status_to_proto
+    from rlfeed.service.commands.status import _text
+    from rlfeed.service.config import SidecarConfig
+    from rlfeed.service.records import StoreStepNote
+
+    actor = SchedulerActor(SidecarConfig())
+    assert actor.status().notes_refused == 0
+    actor.apply_notes([StoreStepNote(step=5, handles=[b"", b""], response_bytes=0)])
+    status = status_to_proto(actor.status(), SidecarConfig())
+    assert status.notes_refused == 1
+    assert "NOTES REFUSED    1: a bug in rlfeed" in _text("sidecar:1", "SERVING", status)

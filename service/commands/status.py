@@ -61,6 +61,11 @@ def _text(address: str, health: str, status) -> str:
         f"filter, {status.tasks_outside_filter} outside",
         f"  policy version   newest {status.newest_policy_version}",
     ]
+    if status.notes_refused:
+        lines.append(
+            f"  NOTES REFUSED    {status.notes_refused}: a bug in rlfeed (steps may never be "
+            "served); see the scheduler actor's log"
+        )
     if status.steps_waiting:
         waiting = "; ".join(
             f"step {w.step} for rank{'s' if len(w.ranks_missing) > 1 else ''} "
