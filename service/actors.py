@@ -29,7 +29,7 @@ result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -42,39 +42,40 @@ _log = logging.getLogger("rlfeed.service.actors")
 _MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
 
 
+@dataclass
+class _FrontEnd:
+    """A registered front-end: where its peers reach it, and what it may free, kept until
+    its next call that answers with `Releases`."""
+
+    peer_address: str
+    released_keys: list[int] = field(default_factory=list)
+    released_steps: list[int] = field(default_factory=list)
+
+
 class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
         # Never materializes (front-ends do); reports what it stops needing.
         self._scheduler = Scheduler(config, track_releases=True)
-        self._frontends: dict[str, str] = {}  # front-end id -> its peer address
+        self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
         self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
-        # What each front-end may free, kept until its next call that returns Releases.
-        self._outbox: dict[str, tuple[list[int], list[int]]] = {}
 
     def ping(self) -> bool:
         return True
 
-    def register_frontend(self, frontend_id: str, peer_address: str) -> int:
+    def register_frontend(self, frontend_id: str, peer_address: str) -> None:
         """A front-end joined: other front-ends reach the ingest batches and responses it
-        holds at `peer_address`; releases are kept for it from now on. Returns how many
-        front-ends are registered."""
-        self._frontends[frontend_id] = peer_address
-        self._outbox.setdefault(frontend_id, ([], []))
-        return len(self._frontends)
+        holds at `peer_address`; releases are kept for it from now on."""
+        self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
 
     def unregister_frontend(self, frontend_id: str) -> None:
         """A front-end stopped: no more releases are kept for it."""
         self._frontends.pop(frontend_id, None)
-        self._outbox.pop(frontend_id, None)
 
     def frontend_addresses(self) -> dict[str, str]:
         """Front-end id -> peer address, of every registered front-end."""
-        return dict(self._frontends)
-
-    def frontend_count(self) -> int:
-        return len(self._frontends)
+        return {frontend_id: f.peer_address for frontend_id, f in self._frontends.items()}
 
     def register_tasks(self, task_ids: list[str]) -> tuple[str, Any]:
         try:
@@ -110,21 +111,22 @@ class SchedulerActor:
         """Sort what the scheduler released since the last call by front-end (a batch goes
         to the front-end holding it, a step to every front-end: any may hold its bytes)
         and hand `frontend_id` its share."""
-        for owner, key in self._scheduler.take_released_payloads():
-            if owner in self._outbox:  # a front-end that left took its memory along
-                self._outbox[owner][0].append(key)
-        steps = self._scheduler.take_released_steps()
+        payloads, steps = self._scheduler.take_releases()
+        for owner, key in payloads:
+            if owner in self._frontends:  # a front-end that left took its memory along
+                self._frontends[owner].released_keys.append(key)
         if steps:
-            for keys_and_steps in self._outbox.values():
-                keys_and_steps[1].extend(steps)
+            for front_end in self._frontends.values():
+                front_end.released_steps.extend(steps)
                 # A front-end that stopped calling must not grow this without bound; a step
                 # it misses leaves its memory with the cache limit instead.
-                del keys_and_steps[1][:-_MAX_PENDING_STEP_RELEASES]
-        if frontend_id not in self._outbox:
+                del front_end.released_steps[:-_MAX_PENDING_STEP_RELEASES]
+        front_end = self._frontends.get(frontend_id)
+        if front_end is None:
             return Releases()
-        keys, released_steps = self._outbox[frontend_id]
-        self._outbox[frontend_id] = ([], [])
-        return Releases(payload_keys=keys, steps=released_steps)
+        releases = Releases(payload_keys=front_end.released_keys, steps=front_end.released_steps)
+        front_end.released_keys, front_end.released_steps = [], []
+        return releases
 
     def ingest(
         self, frontend_id: str, notes: list, batches: list[tuple[BatchMeta, Any]]

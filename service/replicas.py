@@ -93,7 +93,7 @@ def start_replicas(
             # ray.init set up (RAY_AUTH_MODE) and the token file it wrote.
             processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
         deadline = time.monotonic() + timeout_s
-        while ray.get(actor.frontend_count.remote()) < wanted:
+        while len(ray.get(actor.frontend_addresses.remote())) < wanted:
             problem = replicas.exited()
             if problem is None and time.monotonic() > deadline:
                 problem = f"replicas did not register within {timeout_s:.0f} s"

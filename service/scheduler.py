@@ -96,8 +96,7 @@ class Scheduler:
         self.config = config
         self._resolve = resolve
         # When set, what the scheduler stops needing is kept for the front-end that holds
-        # the bytes, to free at once: payload handles (`take_released_payloads`) and
-        # released steps (`take_released_steps`).
+        # the bytes, to free at once (`take_releases`): payload handles and released steps.
         self._released: list[Any] | None = [] if track_releases else None
         self._released_steps: list[int] | None = [] if track_releases else None
         self._step_config = config.step_config()
@@ -382,24 +381,16 @@ class Scheduler:
             if self._released is not None:
                 self._released.append(entry[0])
 
-    def take_released_payloads(self) -> list[Any]:
-        """Payload handles nothing refers to any more, since the last call (empty unless
-        tracking): no buffered rollout, and no planned step whose responses are not stored
-        yet. Whoever holds the columns frees them at once. An output, not a state change:
-        replay recomputes it."""
-        if not self._released:
-            return []
-        released, self._released = self._released, []
-        return released
-
-    def take_released_steps(self) -> list[int]:
-        """Steps released (no longer servable) since the last call, in release order (empty
-        unless tracking): the front-end holding their responses drops them then, so its
-        memory is reused instead of growing to its cache limit. An output, not a state
-        change."""
-        if not self._released_steps:
-            return []
-        released, self._released_steps = self._released_steps, []
+    def take_releases(self) -> tuple[list[Any], list[int]]:
+        """What the scheduler stopped needing since the last call (empty unless tracking):
+        the payload handles nothing refers to any more (no buffered rollout, no planned step
+        whose responses are not stored yet), whose columns their holder frees at once, and
+        the steps released (no longer servable), whose responses their holder drops. An
+        output, not a state change: replay recomputes it."""
+        if self._released is None or self._released_steps is None:
+            return [], []
+        released = (self._released, self._released_steps)
+        self._released, self._released_steps = [], []
         return released
 
     def _drop_group(self, group_id: str, reason: str) -> None:
@@ -459,7 +450,7 @@ class Scheduler:
 
         Returns the work to materialize each new step; a step answers "not ready" until its
         responses come back through `store_step`, and holds the batches it reads until
-        then (they are released, see `take_released_payloads`, only after that).
+        then (they are released, see `take_releases`, only after that).
         """
         per_step = self.config.rollouts.prompts_per_step
         work = []

@@ -587,7 +587,6 @@ class SidecarServer:
     started_ray: bool
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
     peer_server: grpc.Server | None = None  # the other front-ends' way in
-    peer_address: str = ""  # where the other front-ends reach this one's memory
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -750,5 +749,4 @@ def start_server(
         started_ray=started_ray,
         owns_actor=not join,
         peer_server=peer_server,
-        peer_address=peer_address,
     )

@@ -317,13 +317,13 @@ def test_released_steps_are_reported_once_each_in_release_order() -> None:
     reported = []
     for step in (0, 2, 1, 3):
         fetch_step(scheduler, step)
-        reported += scheduler.take_released_steps()
-        assert scheduler.take_released_steps() == []
+        reported += scheduler.take_releases()[1]
+        assert scheduler.take_releases() == ([], [])
     assert reported == [0, 2, 1]  # the newest fully fetched step is retained
     assert all(scheduler.fetch_batch(step, 0).released for step in reported)
     assert scheduler.fetch_batch(3, 1).ready
     untracked = make_scheduler()
-    assert untracked.take_released_steps() == []
+    assert untracked.take_releases() == ([], [])
 
 
 def run_groups_through(scheduler: Scheduler, rollouts: SyntheticRollouts, rows) -> None:
@@ -484,7 +484,7 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
                 scheduler.store_step(entry[1].step, [b"r0", b"r1"])
 
     def check_released() -> None:
-        released.extend(scheduler.take_released_payloads())
+        released.extend(scheduler.take_releases()[0])
         held = {handle for handle, _ in scheduler._payloads.values()}
         buffered = {
             row[1]
