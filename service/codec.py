@@ -24,8 +24,7 @@ import numpy as np
 import pyarrow as pa
 from rlfeed import __version__
 from rlfeed.client.arrow_codec import ipc_stream_pieces
-from rlfeed.client.wire import encode_varint as _varint
-from rlfeed.client.wire import split_field
+from rlfeed.client.wire import length_delimited, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
 from rlfeed.sched.assembly import Microbatch, TokenColumns
@@ -306,9 +305,9 @@ def encode_microbatch(microbatch: Microbatch, rollout_ids: Sequence[str]) -> pb.
 
 # Serving writes protobuf's wire format for the bulk fields itself, so that the Arrow bytes
 # are copied once, straight into the response, instead of into a Microbatch message, then
-# into the GetBatchResponse, then out by SerializeToString. Tags: (field << 3) | 2.
-_MICROBATCH_ARROW_IPC_TAG = b"\x0a"  # Microbatch.arrow_ipc = 1
-_RESPONSE_MICROBATCH_TAG = b"\x4a"  # GetBatchResponse.microbatches = 9
+# into the GetBatchResponse, then out by SerializeToString.
+_MICROBATCH_ARROW_IPC = 1  # Microbatch.arrow_ipc
+_RESPONSE_MICROBATCH = 9  # GetBatchResponse.microbatches
 
 
 def encode_microbatch_parts(microbatch: Microbatch, rollout_ids: Sequence[str]) -> list:
@@ -322,10 +321,9 @@ def microbatch_parts(arrow: Sequence, arrow_size: int, fields: dict) -> tuple[li
     """(a serialized `Microbatch` as buffers to join, its size in bytes): `arrow` (pieces of
     `arrow_size` bytes in all) as its arrow_ipc, then `fields` (every other field, as
     `pb.Microbatch` takes them), in the order SerializeToString(deterministic=True) writes."""
-    size_prefix = _varint(arrow_size)
+    prefix = length_delimited(_MICROBATCH_ARROW_IPC, arrow_size)
     rest = pb.Microbatch(**fields).SerializeToString(deterministic=True)
-    parts = [_MICROBATCH_ARROW_IPC_TAG, size_prefix, *arrow, rest]
-    return parts, len(_MICROBATCH_ARROW_IPC_TAG) + len(size_prefix) + arrow_size + len(rest)
+    return [prefix, *arrow, rest], len(prefix) + arrow_size + len(rest)
 
 
 def join_rank_response(
@@ -346,7 +344,7 @@ def join_rank_response(
     before.ClearField("num_rollouts")
     pieces = [before.SerializeToString(deterministic=True)]
     for parts, size in zip(microbatches, sizes, strict=True):
-        pieces += [_RESPONSE_MICROBATCH_TAG, _varint(size), *parts]
+        pieces += [length_delimited(_RESPONSE_MICROBATCH, size), *parts]
     pieces.append(after.SerializeToString(deterministic=True))
     return b"".join(pieces)
 

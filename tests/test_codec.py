@@ -166,7 +166,7 @@ def test_hand_joined_rank_response_is_byte_identical_to_protobuf_serialization()
 
 @pytest.mark.parametrize("value", [1, 127, 128, 300, 2**14, 2**21 + 5, 2**35, 2**64 - 1])
 def test_hand_written_varints_match_protobuf(value: int) -> None:
-    from rlfeed.service.codec import _varint
+    from rlfeed.client.wire import encode_varint as _varint
 
     # RolloutBatch.sequence is field 2, varint wire type: tag byte 0x10, then the varint.
     assert b"\x10" + _varint(value) == pb.RolloutBatch(sequence=value).SerializeToString()
