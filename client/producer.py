@@ -92,6 +92,9 @@ class RolloutWriter:
         if on_full not in ("block", "raise"):
             raise ValueError(f"on_full must be 'block' or 'raise', got {on_full!r}")
         self._transport, self._owns_transport = connect(address_or_transport)
+        # Request bytes written in one copy where the transport takes them (one copy of the
+        # token data, not three), as the loader resolves its fast path once.
+        self._submit_serialized = fast_variant(self._transport, "submit", "submit_serialized")
         self.max_batch_rollouts = max_batch_rollouts
         self.max_batch_bytes = max_batch_bytes
         self.max_buffered_rollouts = max_buffered_rollouts
@@ -283,10 +286,9 @@ class RolloutWriter:
     def _submit_with_retry(
         self, rows: RolloutColumns, sequence: int
     ) -> tuple[pb.SubmitAck | None, Exception | None]:
-        submit_serialized = fast_variant(self._transport, "submit", "submit_serialized")
-        if submit_serialized is not None:  # one copy of the token data, not three
+        if self._submit_serialized is not None:
             request = encode_rollout_batch(rows, sequence)
-            send = lambda: submit_serialized(request)  # noqa: E731
+            send = lambda: self._submit_serialized(request)  # noqa: E731
         else:
             batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
             send = lambda: self._transport.submit(batch)  # noqa: E731
@@ -297,13 +299,12 @@ class RolloutWriter:
                 return send(), None
             except InvalidRolloutsError as exc:
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
-            except BufferFullError:
+            except SidecarError as exc:
+                # A full sidecar is waited out for as long as it takes; an unreachable one
+                # for retry_unavailable_s.
+                transient = exc.code in _TRANSIENT_CODES and time.monotonic() < give_up_at
+                if not (isinstance(exc, BufferFullError) or transient):
+                    exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
+                    return None, exc
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-            except SidecarError as exc:
-                if exc.code in _TRANSIENT_CODES and time.monotonic() < give_up_at:
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
-                    continue
-                exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
-                return None, exc
