@@ -34,6 +34,8 @@ import signal
 import sys
 import threading
 
+from rlfeed.service.commands.argtypes import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config (default: built-ins)")
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replicas",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="front-end processes sharing the port and the scheduler ([server] replicas)",
     )

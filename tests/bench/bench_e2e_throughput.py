@@ -198,7 +198,7 @@ def producer_main(
         max_buffered_rollouts=case.batch_rollouts * 4,
         max_in_flight=in_flight,
     )
-    results.put(("ready", producer, sum(len(p) for p in payloads(case, rows))))
+    results.put(("ready", producer, None))
     go.wait()
     started = time.perf_counter()
     for row in rows:
@@ -282,10 +282,8 @@ def run_e2e(
     try:
         for process in processes:
             process.start()
-        ingest_bytes = 0
         for _ in processes:
-            _, _, size = results.get(timeout=300)
-            ingest_bytes += size
+            results.get(timeout=300)  # ready
         cpu_before = cpu_snapshot() if cpu else {}
         started = time.perf_counter()
         go.set()
@@ -331,7 +329,6 @@ def run_e2e(
     assert len(served.sizes) == case.steps * WORLD_SIZE, "a (step, rank) served twice?"
     return {
         "seconds": seconds,
-        "ingest_bytes": ingest_bytes,
         "served_sizes": list(served.sizes),
         "producer_seconds": max(producer_seconds),
     }
@@ -533,6 +530,7 @@ def run_case(
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
         e2e = run_e2e(case, producers, in_flight, cpu, replicas)
+        e2e["ingest_bytes"] = sum(map(len, sink_payloads))  # the producers' Arrow payloads
         sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu)
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
