@@ -78,7 +78,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -361,11 +361,9 @@ def main() -> int:
         settings.append(CUDA)
     ok = True
     for setting in settings:
-        if args.chunk_size:
-            setting = Setting(**{**setting.__dict__, "chunk_size": args.chunk_size})
-        if args.vocab:
-            setting = Setting(**{**setting.__dict__, "vocab": args.vocab})
-        setting = Setting(**{**setting.__dict__, "tokens": tuple(setting.tokens)})
+        overrides = {"chunk_size": args.chunk_size, "vocab": args.vocab}
+        given = {name: value for name, value in overrides.items() if value}
+        setting = replace(setting, tokens=tuple(setting.tokens), **given)
         ok &= report(setting)
     return 0 if ok else 1
 
