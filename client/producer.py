@@ -44,6 +44,10 @@ from rlfeed.proto import rlfeed_pb2 as pb
 # A sidecar restarting or briefly overloaded; re-sending the same batch is idempotent.
 _TRANSIENT_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
+# RolloutWriter's batch limits (the benchmark sends the same batches through its raw stream).
+DEFAULT_MAX_BATCH_ROLLOUTS = 256
+DEFAULT_MAX_BATCH_BYTES = 8 << 20
+
 
 class RolloutWriter:
     """Buffered, backpressured rollout submission to one sidecar.
@@ -71,8 +75,8 @@ class RolloutWriter:
         self,
         address_or_transport: str | Transport,
         *,
-        max_batch_rollouts: int = 256,
-        max_batch_bytes: int = 8 << 20,
+        max_batch_rollouts: int = DEFAULT_MAX_BATCH_ROLLOUTS,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         max_buffered_rollouts: int = 4096,
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,

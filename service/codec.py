@@ -16,6 +16,7 @@ in `rlfeed.service.validation`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +38,9 @@ if TYPE_CHECKING:  # records.py imports this module; only the annotations need t
 # come from rlfeed.proto.arrow_schemas.
 
 _LIST_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
+# Mean rollout length from which policy tokens are counted rollout by rollout (a numpy call
+# each) rather than by one widening reduceat over the whole mask.
+_COUNT_PER_ROLLOUT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,19 @@ class RolloutBatchArrays:
 
     @property
     def policy_tokens(self) -> np.ndarray:
-        """int64 [n] action-mask tokens per rollout (segment sums, one reduceat pass; a
-        cumulative sum over every token costs ten times as much)."""
+        """int64 [n] action-mask tokens per rollout. Long rollouts of a 0/1 mask (what
+        validation lets through) are counted per rollout: a count of nonzero bytes reads
+        the mask once, where a widening sum first writes it out as int64. Otherwise one
+        reduceat pass (a cumulative sum over every token costs ten times as much)."""
         starts, lengths = self.offsets[:-1], np.diff(self.offsets)
+        mask = self.action_mask
+        if len(starts) and mask.size >= _COUNT_PER_ROLLOUT_TOKENS * len(starts) and mask.max() <= 1:
+            bounds = self.offsets.tolist()
+            return np.fromiter(
+                (np.count_nonzero(mask[a:b]) for a, b in itertools.pairwise(bounds)),
+                np.int64,
+                len(starts),
+            )
         sums = np.zeros(len(starts), np.int64)
         nonempty = lengths > 0
         if nonempty.any():  # reduceat misreads empty segments: sum the others only

@@ -70,7 +70,10 @@ import numpy as np
 WORLD_SIZE = 2
 CASES = {
     # name: (tokens per rollout, rollouts, prompts_per_step, group_size, writer batch, budget)
-    "long": (8192, 512, 8, 8, 16, 65536),
+    # A writer batch of None keeps RolloutWriter's defaults (256 rollouts or 8 MiB: about
+    # 110 rollouts of 8k tokens); 256 rollouts of 100 tokens would be only 230 KiB, so the
+    # short case's producers raise the count, as such a producer would.
+    "long": (8192, 2048, 8, 8, None, 65536),
     "short": (100, 40_960, 64, 8, 2048, 65536),
 }
 
@@ -82,12 +85,21 @@ class Case:
     rollouts: int
     prompts_per_step: int
     group_size: int
-    batch_rollouts: int
+    batch_rollouts: int | None  # None: RolloutWriter's default
     token_budget: int
 
     @property
     def steps(self) -> int:
         return self.rollouts // (self.prompts_per_step * self.group_size)
+
+    def writer_limits(self) -> dict[str, int]:
+        """The RolloutWriter batch limits the producers use."""
+        from rlfeed.client.producer import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_BATCH_ROLLOUTS
+
+        return {
+            "max_batch_rollouts": self.batch_rollouts or DEFAULT_MAX_BATCH_ROLLOUTS,
+            "max_batch_bytes": DEFAULT_MAX_BATCH_BYTES,
+        }
 
 
 def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
@@ -114,14 +126,32 @@ def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
     return rows
 
 
+def writer_batches(case: Case, rows: list[dict]) -> list[list[dict]]:
+    """These rows split as RolloutWriter splits them: a batch is sealed at
+    `max_batch_rollouts` rollouts or `max_batch_bytes` bytes (as `append` counts them)."""
+    from rlfeed.client.arrow_codec import RolloutColumns
+
+    limits = case.writer_limits()
+    batches, batch, batch_bytes = [], [], 0
+    for row in rows:
+        batch.append(row)
+        batch_bytes += RolloutColumns.empty().append(**row)
+        if len(batch) >= limits["max_batch_rollouts"] or batch_bytes >= limits["max_batch_bytes"]:
+            batches.append(batch)
+            batch, batch_bytes = [], 0
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 def payloads(case: Case, rows: list[dict]) -> list[bytes]:
     """The Arrow payloads RolloutWriter sends for these rows (same batch boundaries)."""
     from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
 
     out = []
-    for start in range(0, len(rows), case.batch_rollouts):
+    for batch in writer_batches(case, rows):
         columns = RolloutColumns.empty()
-        for row in rows[start : start + case.batch_rollouts]:
+        for row in batch:
             columns.append(**row)
         out.append(encode_rollouts(columns))
     return out
@@ -192,10 +222,11 @@ def producer_main(
     from rlfeed.client.producer import RolloutWriter
 
     rows = make_rows(case, producer, producers)
+    limits = case.writer_limits()
     writer = RolloutWriter(
         address,
-        max_batch_rollouts=case.batch_rollouts,
-        max_buffered_rollouts=case.batch_rollouts * 4,
+        **limits,
+        max_buffered_rollouts=limits["max_batch_rollouts"] * 4,
         max_in_flight=in_flight,
     )
     results.put(("ready", producer, None))
@@ -439,21 +470,20 @@ def run_stages(case: Case) -> None:
 
     per_step = case.prompts_per_step * case.group_size
     step_case = Case(case.name, case.tokens, per_step, *CASES[case.name][2:])
-    rows = make_rows(step_case, 0, 1)
-    batches = [rows[i : i + case.batch_rollouts] for i in range(0, per_step, case.batch_rollouts)]
+    batches = writer_batches(case, make_rows(step_case, 0, 1))
     config = with_overrides(
         SidecarConfig(),
         batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
         rollouts={"prompts_per_step": case.prompts_per_step, "group_size": case.group_size},
     )
 
-    def encode_all() -> list[bytes]:
+    def encode_all() -> list[bytes]:  # what RolloutWriter sends, rows appended anew each time
         out = []
         for sequence, batch in enumerate(batches):
             columns = RolloutColumns.empty()
             for row in batch:
                 columns.append(**row)
-            out.append(encode_rollout_batch(columns, sequence))  # what RolloutWriter sends
+            out.append(encode_rollout_batch(columns, sequence))
         return out
 
     wire = encode_all()
@@ -583,7 +613,8 @@ def main() -> None:
     parser.add_argument(
         "--batch-rollouts",
         type=int,
-        help="rollouts per RolloutWriter batch (default: the case's, 16 long / 2048 short)",
+        help="rollouts per RolloutWriter batch (default: the writer's, 256 or 8 MiB, for "
+        "long; 2048 for short)",
     )
     parser.add_argument("--stages", action="store_true", help="time each stage alone first")
     parser.add_argument(
