@@ -43,17 +43,19 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 `py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
-Seen on the 2-core dev machine (`--case long --rollouts 2048 --cpu`, 32 steps): the raw
-stream takes ~0.37 s and ~0.75 CPU-s (both ends; it already fills both cores). End to end
-takes ~1.15-1.3 s and ~1.9-2.2 CPU-s: front-end 0.85-1.0 (gRPC receive + send about as the
-raw server, ~0.4; the rest decode, validate, actor calls, materialization), scheduler
-actor ~0.25-0.3, producers 2 x ~0.15, ranks 2 x ~0.23, Ray's daemons < 0.05. Minor page
-faults were a large share until the front-end dropped released steps' responses (91k ->
-~40k) and the loader stopped widening position ids. With both cores busy the ratio cannot
-exceed about 0.75 / 2.0 here. The writer's batch size matters (`--batch-rollouts`, median
-of 3): 16 rollouts (1.1 MiB, the default here) ~32%, 64 (4.5 MiB) ~42%, 128 (9 MiB) ~43%,
-256 (18 MiB) ~37%. `--replicas 2` on 2 cores is slower (~20%): the front-ends fetch each
-other's batches and responses and no core is free for the second interpreter.
+Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
+batches of ~110 rollouts): the raw stream takes ~0.31-0.35 s and ~0.6-0.8 CPU-s (both
+ends; it already fills both cores). End to end takes ~0.8-1.0 s and ~1.5-1.9 CPU-s:
+front-end 0.62-0.9 (gRPC receive + send about as the raw server, ~0.4; the rest decode,
+validate, materialization, and ~0.15 s of minor page faults, each ~2 us in this VM, mostly
+under the response join), ranks 2 x ~0.25, producers 2 x ~0.15, scheduler actor ~0.1,
+Ray's daemons < 0.05. Both cores stay ~95% busy and the front-end's GIL-bound share near
+one core, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 38-47%, single
+runs 32-51% (the machine is shared). Smaller writer batches cost more actor calls and
+Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%); two batches in flight
+(`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
+the front-ends fetch each other's batches and responses and no core is free for the
+second interpreter.
 """
 
 from __future__ import annotations
