@@ -112,7 +112,9 @@ def scheduler_refresh(
 
 class SidecarExporter:
     """The metrics of one sidecar: `events` for `start_server`, then `start(actor)` serves
-    them over HTTP until `stop()`."""
+    them over HTTP until `stop()`. `start(None)` binds the endpoint before there is an
+    actor (a taken port fails before anything else starts); `attach(actor)` then adds the
+    scheduler's levels."""
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
@@ -120,13 +122,14 @@ class SidecarExporter:
         self.events = MetricsEvents(self.metrics, config)
         self.http: MetricsServer | None = None
 
-    def start(self, actor: Any, *, port: int | None = None) -> MetricsServer:
-        """Refresh levels from `actor` before scrapes and serve on `[server] metrics_host`
-        at `port` (default `[server] metrics_port`; 0 picks a free port). OSError naming
-        the address when it cannot be served (e.g. the port is taken)."""
+    def start(self, actor: Any | None, *, port: int | None = None) -> MetricsServer:
+        """Refresh levels from `actor` (if given) before scrapes and serve on `[server]
+        metrics_host` at `port` (default `[server] metrics_port`; 0 picks a free port).
+        OSError naming the address when it cannot be served (e.g. the port is taken)."""
         if self.http is not None:
             raise RuntimeError("SidecarExporter already started")
-        self.metrics.set_refresh(scheduler_refresh(self.metrics, actor))
+        if actor is not None:
+            self.attach(actor)
         host = self.config.server.metrics_host
         port = self.config.server.metrics_port if port is None else port
         try:
@@ -134,6 +137,10 @@ class SidecarExporter:
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
         return self.http
+
+    def attach(self, actor: Any) -> None:
+        """Refresh the scheduler's levels from `actor` before each scrape from now on."""
+        self.metrics.set_refresh(scheduler_refresh(self.metrics, actor))
 
     @property
     def url(self) -> str:

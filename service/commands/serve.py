@@ -112,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
     from rlfeed.service.server import start_server
 
     exporter = SidecarExporter(config) if config.server.metrics_port else None
+    if exporter is not None:
+        # Bound before anything starts: a taken port fails at once, and a replica fails
+        # before it registers with the actor, so the first process's start reports it.
+        try:
+            exporter.start(actor=None)
+        except OSError as exc:  # names the address
+            print(f"rlfeed serve: {exc}", file=sys.stderr)
+            return 1
     try:
         sidecar = start_server(
             config,
@@ -120,10 +128,14 @@ def run(args: argparse.Namespace) -> int:
             join=args.join,
         )
     except (RuntimeError, ValueError) as exc:  # ValueError: --join found no actor
+        if exporter is not None:
+            exporter.stop()
         print(f"rlfeed serve: {exc}", file=sys.stderr)
         return 1
     replicas = None
     try:
+        if exporter is not None:
+            exporter.attach(sidecar.actor)
         if config.server.replicas > 1 and not args.join:
             try:
                 replicas = start_replicas(config, sidecar.port, sidecar.actor)
@@ -132,11 +144,6 @@ def run(args: argparse.Namespace) -> int:
                 return 1
         _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
         if exporter is not None:
-            try:
-                exporter.start(sidecar.actor)
-            except OSError as exc:  # names the address
-                print(f"rlfeed serve: {exc}", file=sys.stderr)
-                return 1
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
