@@ -55,10 +55,11 @@ class RolloutWriter:
     address_or_transport: "host:port" of a sidecar, or a `Transport` (e.g. in-process).
     max_batch_rollouts: rollouts per submitted Arrow batch.
     max_batch_bytes: also seal a batch once its token payload reaches this many bytes.
-      The default, 8 MiB (about 110 rollouts of 8k tokens), sits where the end-to-end
+      The default, 8 MiB (114 rollouts of 8k tokens), sits where a sweep of the end-to-end
       benchmark peaked on a 2-core machine: 4.5-9 MiB batches moved 42-43% of the raw
-      gRPC byte rate, 1.1 MiB 32%, 18 MiB 37% (`tests/bench/bench_e2e_throughput.py
-      --batch-rollouts N`); fewer, larger batches mean fewer scheduler-actor calls.
+      gRPC byte rate, 1.1 MiB 32%, 18 MiB 37% (medians of 3, `tests/bench/
+      bench_e2e_throughput.py --batch-rollouts N`); fewer, larger batches mean fewer
+      scheduler-actor calls.
     max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.

@@ -85,13 +85,18 @@ class RolloutBatchArrays:
 
     @property
     def policy_tokens(self) -> np.ndarray:
-        """int64 [n] action-mask tokens per rollout. Long rollouts of a 0/1 mask (what
-        validation lets through) are counted per rollout: a count of nonzero bytes reads
-        the mask once, where a widening sum first writes it out as int64. Otherwise one
-        reduceat pass (a cumulative sum over every token costs ten times as much)."""
+        """int64 [n] action-mask tokens per rollout. Long rollouts of a uint8 0/1 mask
+        (what validation lets through) are counted per rollout: counting nonzero bytes
+        only reads the mask, where a widening sum first writes it out as int64. Otherwise
+        one reduceat pass (a cumulative sum over every token costs ten times as much)."""
         starts, lengths = self.offsets[:-1], np.diff(self.offsets)
         mask = self.action_mask
-        if len(starts) and mask.size >= _COUNT_PER_ROLLOUT_TOKENS * len(starts) and mask.max() <= 1:
+        if (
+            len(starts)
+            and mask.dtype == np.uint8
+            and mask.size >= _COUNT_PER_ROLLOUT_TOKENS * len(starts)
+            and mask.max() <= 1
+        ):
             bounds = self.offsets.tolist()
             return np.fromiter(
                 (np.count_nonzero(mask[a:b]) for a, b in itertools.pairwise(bounds)),

@@ -12,7 +12,8 @@ Routes:
 - `/layout.png`: the newest step's padded-vs-packed picture, rendered on first request and
   cached (404 before the first step with a layout, 501 without matplotlib); a Grafana text
   panel can embed it with `<img src="http://HOST:PORT/layout.png">`.
-- `/healthz`: "ok".
+- `/healthz`: "ok" (the endpoint is up; `rlfeed serve` binds it before the sidecar starts,
+  so readiness is the gRPC health service's).
 """
 
 from __future__ import annotations

@@ -127,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
             events=exporter.events if exporter is not None else None,
             join=args.join,
         )
-    except (RuntimeError, ValueError) as exc:  # ValueError: --join found no actor
+    except BaseException as exc:
         if exporter is not None:
             exporter.stop()
+        if not isinstance(exc, (RuntimeError, ValueError)):  # ValueError: --join, no actor
+            raise
         print(f"rlfeed serve: {exc}", file=sys.stderr)
         return 1
     replicas = None

@@ -44,7 +44,7 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
-batches of ~110 rollouts): the raw stream takes ~0.31-0.35 s and ~0.6-0.8 CPU-s (both
+batches of 114 rollouts): the raw stream takes ~0.31-0.35 s and ~0.6-0.8 CPU-s (both
 ends; it already fills both cores). End to end takes ~0.8-1.0 s and ~1.5-1.9 CPU-s:
 front-end 0.62-0.9 (gRPC receive + send about as the raw server, ~0.4; the rest decode,
 validate, materialization, and ~0.15 s of minor page faults, each ~2 us in this VM, mostly
@@ -55,7 +55,7 @@ runs 32-51% (the machine is shared). Smaller writer batches cost more actor call
 Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%); two batches in flight
 (`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
 the front-ends fetch each other's batches and responses and no core is free for the
-second interpreter.
+second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.)
 """
 
 from __future__ import annotations
@@ -95,13 +95,16 @@ class Case:
         return self.rollouts // (self.prompts_per_step * self.group_size)
 
     def writer_limits(self) -> dict[str, int]:
-        """The RolloutWriter batch limits the producers use."""
+        """The RolloutWriter batch limits the producers use: the writer's defaults, or
+        exactly `batch_rollouts` rollouts per batch, whatever their bytes."""
         from rlfeed.client.producer import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_BATCH_ROLLOUTS
 
-        return {
-            "max_batch_rollouts": self.batch_rollouts or DEFAULT_MAX_BATCH_ROLLOUTS,
-            "max_batch_bytes": DEFAULT_MAX_BATCH_BYTES,
-        }
+        if self.batch_rollouts is None:
+            return {
+                "max_batch_rollouts": DEFAULT_MAX_BATCH_ROLLOUTS,
+                "max_batch_bytes": DEFAULT_MAX_BATCH_BYTES,
+            }
+        return {"max_batch_rollouts": self.batch_rollouts, "max_batch_bytes": 1 << 62}
 
 
 def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
@@ -224,11 +227,12 @@ def producer_main(
     from rlfeed.client.producer import RolloutWriter
 
     rows = make_rows(case, producer, producers)
-    limits = case.writer_limits()
+    # Room for every row: a full writer buffer would seal a partial batch early, and the
+    # raw stream could no longer carry the same batches (`writer_batches`).
     writer = RolloutWriter(
         address,
-        **limits,
-        max_buffered_rollouts=limits["max_batch_rollouts"] * 4,
+        **case.writer_limits(),
+        max_buffered_rollouts=max(len(rows), 1),
         max_in_flight=in_flight,
     )
     results.put(("ready", producer, None))
@@ -615,8 +619,8 @@ def main() -> None:
     parser.add_argument(
         "--batch-rollouts",
         type=int,
-        help="rollouts per RolloutWriter batch (default: the writer's, 256 or 8 MiB, for "
-        "long; 2048 for short)",
+        help="exactly N rollouts per RolloutWriter batch, whatever their bytes (default: "
+        "the writer's limits, 256 rollouts or 8 MiB, for long; 2048 rollouts for short)",
     )
     parser.add_argument("--stages", action="store_true", help="time each stage alone first")
     parser.add_argument(
