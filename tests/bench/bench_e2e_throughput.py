@@ -50,7 +50,7 @@ front-end 0.62-0.9 (gRPC receive + send about as the raw server, ~0.4; the rest 
 validate, materialization, and ~0.15 s of minor page faults, each ~2 us in this VM, mostly
 under the response join), ranks 2 x ~0.25, producers 2 x ~0.15, scheduler actor ~0.1,
 Ray's daemons < 0.05. Both cores stay ~95% busy and the front-end's GIL-bound share near
-one core, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 38-47%, single
+one core, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 35-47%, single
 runs 32-51% (the machine is shared). Smaller writer batches cost more actor calls and
 Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%); two batches in flight
 (`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
