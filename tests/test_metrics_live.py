@@ -406,3 +406,25 @@ def test_a_taken_metrics_port_is_an_error_naming_the_address() -> None:
         exporter = SidecarExporter(with_overrides(SidecarConfig(), server={"metrics_port": port}))
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
             exporter.start(actor=None)
+
+
+def test_rlfeed_serve_with_a_taken_metrics_port_fails_before_starting_anything() -> None:
+    """`rlfeed serve` binds its metrics endpoint first: with the port taken it exits 1
+    naming the address, before Ray or the gRPC port start (a replica so fails before it
+    registers with the actor)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        serve = subprocess.run(
+            [sys.executable, "-m", "rlfeed", "serve", "--port", "0", "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert serve.returncode == 1, serve.stderr[-2000:]
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in serve.stderr
+    assert "Started a local Ray instance" not in serve.stderr
+    assert "listening on" not in serve.stdout
