@@ -30,7 +30,9 @@ class ServerEvents:
         planning started; `responses[rank]` are the serialized GetBatchResponse bytes."""
 
     def on_served(self, step: int, rank: int, response: bytes) -> None:
-        """GetBatch answered (step, rank) with a ready response."""
+        """(step, rank) was answered with a ready response held by this front-end (its
+        GetBatch, or a peer it handed the bytes to), or fetched here from the object
+        store: each fetch is reported once, by the front-end holding the step."""
 
     def on_task_sample(self, *, requested: int, result: SampleResult) -> None:
         """SampleTasks answered; `requested` is n after the prompts_per_step default."""

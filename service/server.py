@@ -375,11 +375,14 @@ class SidecarServicer:
 
     def _response_of(self, step: int, rank: int) -> bytes | None:
         """For a peer answering `rank` with it (the actor recorded the fetch): a stored
-        response this front-end holds, the rank then noted served here."""
+        response this front-end holds, the rank then noted served here (and the fetch
+        reported here, where the step's other ranks count too)."""
         response = self._responses.serve_to_peer(step, rank)
         if response is None:
             with self._storing:  # the actor may have seen the note before the cache the bytes
                 response = self._responses.serve_to_peer(step, rank)
+        if response is not None:
+            notify(self.events, "on_served", step, rank, response)
         return response
 
     def _move_out_old_steps(self) -> None:
@@ -457,7 +460,6 @@ class SidecarServicer:
                     if kind == "ready":
                         response = self._stored_response(step, rank, value, context)
                 if response is not None:
-                    notify(self.events, "on_served", step, rank, response)
                     return response
                 if kind == "ready":
                     context.abort(
@@ -492,15 +494,22 @@ class SidecarServicer:
         """The bytes behind the actor's handle of (step, rank): from this front-end's
         memory, the memory of the front-end whose marker it is, or the object store; None
         if the front-end holding it has moved it out meanwhile (ask the actor again). A
-        holder that cannot be reached answers the call UNAVAILABLE (ask again later)."""
+        holder that cannot be reached answers the call UNAVAILABLE (ask again later).
+
+        The fetch is reported (`on_served`) where the bytes are held: here, or by the
+        holding front-end when it hands them over, so every rank of a step counts at the
+        front-end that stored it, whichever front-end each rank asked."""
         cached = self._responses.get(step)
         if cached is None and handle == self._marker:
             with self._storing:  # the actor may have seen the note before the cache the bytes
                 cached = self._responses.get(step)
         if cached is not None:
+            notify(self.events, "on_served", step, rank, cached[rank])
             return cached[rank]
         if isinstance(handle, list):  # [ObjectRef]
-            return ray.get(handle[0])
+            response = ray.get(handle[0])
+            notify(self.events, "on_served", step, rank, response)
+            return response
         if isinstance(handle, tuple) and handle != self._marker:  # ("front-end", its id)
             try:
                 return self._peers.stored_response(handle[1], step, rank, context.time_remaining())

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.events import ServerEvents
 from rlfeed.service.server import start_server
 from rlfeed.service.testing import check_served_step, synthetic_groups
 from rlfeed.service.testing import fetch_served_bytes as fetch
@@ -35,6 +36,25 @@ def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def submit_halves(channels: list[grpc.Channel], rollouts) -> None:
+    """Four steps of groups 2s and 2s+1 (GROUPS), each front-end getting half of every
+    group; the second half completes the step, so the replica stores the even steps and
+    the primary the odd ones."""
+    ingest = [pb_grpc.RolloutIngestStub(channel) for channel in channels]
+    pb_grpc.TaskSamplingStub(channels[0]).RegisterTasks(
+        pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
+    )
+    sequence = 0
+    for step in range(4):
+        first, second = (0, 1) if step % 2 == 0 else (1, 0)
+        groups = range(8 * step, 8 * step + 8)
+        for front_end, half in ((first, (0, 1)), (second, (2, 3))):
+            rows = [row for row in groups if row % 4 in half]
+            batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
+            assert ingest[front_end].SubmitRolloutBatch(batch, timeout=30).accepted == 4
+            sequence += 1
+
+
 def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sidecar) -> None:
     primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 8})
     replica = start_server(primary.config, join=True)  # same actor, its own port (port 0)
@@ -42,19 +62,7 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         front_ends = (primary, replica)
         rollouts = synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(21))
         channels = [grpc.insecure_channel(sidecar.address) for sidecar in front_ends]
-        ingest = [pb_grpc.RolloutIngestStub(channel) for channel in channels]
-        pb_grpc.TaskSamplingStub(channels[0]).RegisterTasks(
-            pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
-        )
-        sequence = 0
-        for step in range(4):  # groups 2s and 2s+1; each front-end gets half of every group
-            first, second = (0, 1) if step % 2 == 0 else (1, 0)  # who completes the step
-            groups = range(8 * step, 8 * step + 8)
-            for front_end, half in ((first, (0, 1)), (second, (2, 3))):
-                rows = [row for row in groups if row % 4 in half]
-                batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
-                assert ingest[front_end].SubmitRolloutBatch(batch, timeout=30).accepted == 4
-                sequence += 1
+        submit_halves(channels, rollouts)
         # Rank 0 asks the primary, rank 1 the replica, whoever stored the step.
         served = [[fetch(channels[rank], step, rank) for rank in range(2)] for step in range(4)]
         ids = [rid for step in served for rid in check_served_step(step, rollouts)]
@@ -82,6 +90,52 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 2
         replica.stop(grace=0.5)  # leaves the actor running, and unregisters
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 1
+        for channel in channels:
+            channel.close()
+    finally:
+        replica.stop(grace=0.5)
+
+
+class RecordedFetches(ServerEvents):
+    def __init__(self) -> None:
+        self.fetches: list[tuple[int, int]] = []
+
+    def on_served(self, step: int, rank: int, response: bytes) -> None:
+        self.fetches.append((step, rank))
+
+
+def test_each_fetch_is_reported_once_by_the_front_end_holding_the_step(make_sidecar) -> None:
+    """With the holders' "stored" announcements lost, a rank asking the other front-end
+    gets the bytes through the actor's handle, from the holder: the holder reports that
+    fetch, so every rank of a step counts at the front-end that stored it (what makes a
+    step "served" in its metrics), and no fetch counts twice."""
+    recorded = {"primary": RecordedFetches(), "replica": RecordedFetches()}
+    primary = make_sidecar(
+        events=lambda config: recorded["primary"],
+        server={"replicas": 2},  # announces its steps too (no replica process is started)
+        rollouts=GROUPS,
+        batching={"world_size": 2, "retained_steps": 8},
+    )
+    replica = start_server(primary.config, join=True, events=recorded["replica"])
+    try:
+        rollouts = synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(23))
+        channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]
+        submit_halves(channels, rollouts)
+        stored_by = {"replica": [0, 2], "primary": [1, 3]}
+        other = {"replica": primary, "primary": replica}
+        for holder, steps in stored_by.items():  # announced, then forgotten
+            wait_until(
+                lambda holder=holder, steps=steps: all(
+                    step in other[holder].servicer._stored_elsewhere for step in steps
+                ),
+                f"{holder}'s steps not announced",
+            )
+            other[holder].servicer._stored_elsewhere.clear()
+        for step in range(4):  # rank 0 asks the primary, rank 1 the replica
+            for rank in range(2):
+                fetch(channels[rank], step, rank)
+        for holder, steps in stored_by.items():
+            assert sorted(recorded[holder].fetches) == [(s, r) for s in steps for r in range(2)]
         for channel in channels:
             channel.close()
     finally:
