@@ -3,8 +3,8 @@
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
       [--replicas 1] [--stages] [--cpu]
-Cost: about a minute on 2 cores (Ray start-up included), both cases, one repeat; each
-further repeat about 20 s per case.
+Cost: about 25 s on 2 cores (Ray start-up included), both cases, one repeat; each further
+repeat about 10 s per case.
 
 What runs, all on loopback in one invocation, per repeat:
 
@@ -72,8 +72,8 @@ import numpy as np
 WORLD_SIZE = 2
 CASES = {
     # name: (tokens per rollout, rollouts, prompts_per_step, group_size, writer batch, budget)
-    # A writer batch of None keeps RolloutWriter's defaults (256 rollouts or 8 MiB: about
-    # 110 rollouts of 8k tokens); 256 rollouts of 100 tokens would be only 230 KiB, so the
+    # A writer batch of None keeps RolloutWriter's defaults (256 rollouts or 8 MiB: 114
+    # rollouts of 8k tokens); 256 rollouts of 100 tokens would be only 230 KiB, so the
     # short case's producers raise the count, as such a producer would.
     "long": (8192, 2048, 8, 8, None, 65536),
     "short": (100, 40_960, 64, 8, 2048, 65536),
