@@ -17,8 +17,11 @@ first, in order) instead of costing a call each: on a small machine each Ray cal
 the front-end about a millisecond of its single interpreter. The actor keeps each rank's
 response handle until the step is released (`retained_steps`): the marker of the
 front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
-object reference. Front-ends register with their peer address (`register_frontend`), so
-they can fetch from each other; what the scheduler stops needing is sorted per front-end
+object reference. A replica leaving hands what it holds to this actor (`adopt_payloads`,
+`adopt_step`), which puts it into the object store itself, so that it outlives that
+process.
+Front-ends register with their peer address (`register_frontend`), so they can fetch from
+each other; what the scheduler stops needing is sorted per front-end
 (`_take_releases`) and handed over with its next `ingest` or `sync` answer.
 
 Expected failures come back as values rather than as Ray-wrapped exceptions: `("ok",
@@ -60,6 +63,7 @@ class SchedulerActor:
         self._scheduler = Scheduler(config, track_releases=True)
         self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
         self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
+        self._sidecar_stopping = False  # see stop_sidecar
 
     def ping(self) -> bool:
         return True
@@ -112,7 +116,10 @@ class SchedulerActor:
         to the front-end holding it, a step to every front-end: any may hold its bytes)
         and hand `frontend_id` its share."""
         payloads, steps = self._scheduler.take_releases()
-        for owner, key in payloads:
+        for handle in payloads:
+            if not isinstance(handle, tuple):  # [ObjectRef]: freed with this reference
+                continue
+            owner, key = handle
             if owner in self._frontends:  # a front-end that left took its memory along
                 self._frontends[owner].released_keys.append(key)
         if steps:
@@ -159,10 +166,39 @@ class SchedulerActor:
         """Those of `steps` still stored (not released)."""
         return self._scheduler.held_steps(steps)
 
+    def adopt_payloads(self, frontend_id: str, notes: list, columns: dict[int, Any]) -> list[int]:
+        """A front-end leaving hands over the ingest batches it holds (key -> TokenColumns):
+        they go into the object store, put there by this actor so that they outlive that
+        process, and their handles (frontend_id, key) become [ObjectRef]. Returns the
+        unstored steps whose work still names the old handles."""
+        self.apply_notes(notes)
+        return self._scheduler.rehome_payloads(
+            {(frontend_id, key): [ray.put(batch)] for key, batch in columns.items()}
+        )
+
+    def unstored_steps(self, steps: list[int]) -> list[int]:
+        return self._scheduler.unstored_steps(steps)
+
+    def adopt_step(self, step: int, responses: list[bytes]) -> bool:
+        """A front-end leaving hands over a held step's bytes: they go into the object
+        store, put there by this actor (they outlive the front-end), and that reference
+        is served from now on. False if the step was released meanwhile (nothing kept)."""
+        if not self._scheduler.held_steps([step]):
+            return False
+        return self._scheduler.move_step(step, [[ray.put(r)] for r in responses])
+
     def move_step(self, step: int, responses: list[list]) -> bool:
-        """A front-end moved a held step's bytes into the object store: responses[rank] =
-        [ObjectRef]; False if the step was released meanwhile."""
+        """A front-end moved a held step's bytes into the object store (its memory is
+        full): responses[rank] = [ObjectRef]; False if the step was released meanwhile."""
         return self._scheduler.move_step(step, responses)
+
+    def stop_sidecar(self) -> None:
+        """The first front-end is stopping the whole sidecar: replicas stopping now have
+        nothing to hand over."""
+        self._sidecar_stopping = True
+
+    def sidecar_stopping(self) -> bool:
+        return self._sidecar_stopping
 
     def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
         """("ready", that rank's handle, see store_step) | ("waiting", next_step) |

@@ -56,6 +56,11 @@ class ResponseCache:
             held[1].add(rank)
             return held[0][rank]
 
+    def stored(self) -> list[tuple[int, list[bytes]]]:
+        """Every held step with its responses, oldest first (a snapshot)."""
+        with self._lock:
+            return [(step, responses) for step, (responses, _) in self._steps.items()]
+
     def oldest_beyond(self) -> list[int]:
         """Oldest steps to drop for the rest to fit in 3/4 of max_bytes (none while the
         whole fits in max_bytes): a few large rounds, not one per step."""
@@ -110,6 +115,11 @@ class LocalPayloads:
         with self._lock:
             for key in keys:
                 self._columns.pop(key, None)
+
+    def held(self) -> dict[int, TokenColumns]:
+        """Every batch held, by key (a snapshot)."""
+        with self._lock:
+            return dict(self._columns)
 
     def __len__(self) -> int:
         with self._lock:

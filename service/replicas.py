@@ -12,10 +12,12 @@ replica with metrics serves them on `metrics_port + i`: its own front-end's coun
 them over replicas) and the actor's gauges (the same in every replica).
 
 The front-ends are one sidecar, not independent servers: each holds ingest batches that
-steps of the others read and responses that ranks anywhere may ask for, so one leaving
-alone would strand them. The first process therefore stops the whole sidecar (exit 1) when
-a replica exits, and stops its replicas when it stops. Letting a single front-end leave
-(drain: hand its batches and responses to the object store first) is not built yet.
+steps of the others read and responses that ranks anywhere may ask for. A replica told to
+stop (SIGTERM) therefore hands them over before it leaves (`SidecarServicer.hand_over`:
+into the object store, owned by the actor) and exits 0; the sidecar runs on without it.
+A replica that exits otherwise (killed, or a failed hand-over: exit code not 0) may have
+taken data along, so the first process then stops the whole sidecar (exit 1). The first
+process stops its replicas when it stops.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from rlfeed.service.config import SidecarConfig, dump_config
@@ -40,18 +42,29 @@ class ReplicaProcesses:
 
     processes: list[subprocess.Popen]
     config_file: str
+    _reported: set[int] = field(default_factory=set)  # replicas newly_left has named
 
-    def exited(self) -> str | None:
-        """A description of the first replica that has exited, or None while all run."""
+    def exited(self, clean_too: bool = False) -> str | None:
+        """A description of the first replica that exited without handing its data over
+        (exit code not 0; with `clean_too`, any exit), or None."""
         for index, process in enumerate(self.processes, start=1):
             code = process.poll()
-            if code is not None:
+            if code is not None and (code != 0 or clean_too):
                 return f"replica {index} (pid {process.pid}) exited with code {code}"
         return None
 
+    def newly_left(self) -> list[str]:
+        """Replicas that left cleanly (handed their data over, exit 0) since the last call."""
+        left = []
+        for index, process in enumerate(self.processes, start=1):
+            if process.poll() == 0 and index not in self._reported:
+                self._reported.add(index)
+                left.append(f"replica {index} (pid {process.pid}) left")
+        return left
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every replica (each drains and stops within seconds), then kill those
-        still running after `timeout_s`."""
+        """SIGTERM every replica (each hands its data over and stops within seconds), then
+        kill those still running after `timeout_s`."""
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
@@ -94,7 +107,7 @@ def start_replicas(
             processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
         deadline = time.monotonic() + timeout_s
         while len(ray.get(actor.frontend_addresses.remote())) < wanted:
-            problem = replicas.exited()
+            problem = replicas.exited(clean_too=True)
             if problem is None and time.monotonic() > deadline:
                 problem = f"replicas did not register within {timeout_s:.0f} s"
             if problem is not None:

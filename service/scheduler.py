@@ -502,6 +502,32 @@ class Scheduler:
         held.payloads = list(responses)
         return True
 
+    def rehome_payloads(self, handles: dict[Any, Any]) -> list[int]:
+        """Give held ingest batches new handles to the same columns (a front-end leaving
+        moves its batches into the object store): each batch whose handle is a key of
+        `handles` takes its value. Returns the planned steps not yet stored that read a
+        moved batch: their work went out with the old handles, so the old holder keeps
+        serving those until `unstored_steps` says they are stored."""
+        moved = set()
+        for key, entry in self._payloads.items():
+            new_handle = handles.get(entry[0]) if isinstance(entry[0], tuple) else None
+            if new_handle is not None:
+                entry[0] = new_handle
+                moved.add(key)
+        return sorted(
+            step
+            for step, held in self._steps.items()
+            if held.payloads is None and moved.intersection(held.reads)
+        )
+
+    def unstored_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` planned and still waiting for their responses (a query)."""
+        return [
+            step
+            for step in steps
+            if (held := self._steps.get(step)) is not None and held.payloads is None
+        ]
+
     def assemble_ready_steps(self) -> list[int]:
         """Plan, materialize (with `resolve`) and store every ready step; returns them."""
         steps = []

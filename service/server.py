@@ -4,7 +4,8 @@
 threaded `grpc.server` serving the four rlfeed.v1 services, the standard health service
 and server reflection. `SidecarServer.stop()` is the one shutdown path: health goes
 NOT_SERVING, waiting GetBatch calls are released, the server drains for `grace` seconds,
-the actor is killed and Ray is shut down if this process started it.
+a replica hands its data over (`SidecarServicer.hand_over`) and leaves the actor, and the
+actor is killed and Ray is shut down if this process started it.
 
 Per rollout batch the handler thread decodes the Arrow payload and validates it
 (vectorized numpy), keeps the columns in this process under a key (`LocalPayloads`; no
@@ -89,6 +90,9 @@ RELEASES_POLL_SECONDS = 1.0
 
 # How many other front-ends' step announcements a front-end remembers.
 _ANNOUNCEMENTS_KEPT = 1024
+# A replica leaving waits at most this long for its own planned steps to be materialized,
+# and again for the other front-ends' steps that read its batches to be stored.
+HAND_OVER_SECONDS = 30.0
 
 # Steps this front-end materialized stay in its memory, and are served from there, up to
 # this size; beyond it the oldest steps the actor still holds move to the object store
@@ -109,6 +113,29 @@ def _unavailable_when_ray_fails(handler):
                 grpc.StatusCode.UNAVAILABLE,
                 f"scheduler unavailable: {type(exc).__name__}: {str(exc)[:500]}",
             )
+
+    return wrapped
+
+
+def _admitted(method):
+    """Count a state-changing call in flight (ingest, GetBatch), or answer UNAVAILABLE once
+    this front-end is leaving: `hand_over` waits until none is in flight, and the client's
+    retry reaches another front-end."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        with self._gate:
+            if self._leaving:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "this front-end is leaving the sidecar; ask again"
+                )
+            self._in_flight += 1
+        try:
+            return method(self, request, context)
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
 
     return wrapped
 
@@ -153,6 +180,12 @@ class SidecarServicer:
         # Steps other front-ends announced they stored (step -> their id), newest last.
         self._stored_elsewhere: OrderedDict[int, str] = OrderedDict()
         self._stopping = False
+        self._leaving = False  # set by hand_over: ingest and GetBatch answer UNAVAILABLE
+        self._in_flight = 0  # ingest and GetBatch calls running (see _admitted)
+        self._gate = threading.Condition()
+        # Steps this front-end moved out of its memory: their object references (it owns
+        # them) until the actor releases the step; `hand_over` re-homes the held ones.
+        self._moved_out: dict[int, list[list]] = {}
         self._responses = ResponseCache(_RESPONSE_CACHE_BYTES)
         self._last_sync = time.monotonic()
         # The handle the actor keeps for a step whose bytes are in this front-end's memory.
@@ -185,6 +218,7 @@ class SidecarServicer:
             yield self.SubmitRolloutBatch(request, context)
 
     @_unavailable_when_ray_fails
+    @_admitted
     def SubmitRolloutBatch(self, request: RolloutBatchView, context) -> pb.SubmitAck:
         received = time.monotonic()
         arrays = None
@@ -250,6 +284,8 @@ class SidecarServicer:
         self._last_sync = time.monotonic()
         self._payloads.release(releases.payload_keys)
         self._responses.drop(releases.steps)
+        for step in releases.steps:
+            self._moved_out.pop(step, None)
 
     def _rejected(self, error: BaseException, arrays) -> None:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
@@ -333,9 +369,12 @@ class SidecarServicer:
                     _log.warning("rlfeed: announcing step %d to the other front-ends failed", step)
         self._move_out_old_steps()
 
-    def _resolve_payload(self, handle: tuple[str, int]) -> TokenColumns:
-        """An ingest batch's columns: from this front-end's memory, or from the front-end
-        that decoded it (the step being materialized holds it there until stored)."""
+    def _resolve_payload(self, handle: tuple[str, int] | list) -> TokenColumns:
+        """An ingest batch's columns: from this front-end's memory, from the front-end
+        that decoded it (the step being materialized holds it there until stored), or from
+        the object store ([ObjectRef]: its front-end has left, see `hand_over`)."""
+        if isinstance(handle, list):
+            return ray.get(handle[0])
         owner, key = handle
         if owner != self._id:
             return self._peers.payload(owner, key)
@@ -385,6 +424,66 @@ class SidecarServicer:
             notify(self.events, "on_served", step, rank, response)
         return response
 
+    def hand_over(self, timeout_s: float = HAND_OVER_SECONDS) -> None:
+        """Leave the sidecar without taking data along (a replica stopping while the
+        others run on); call once no client call can reach this front-end any more, while
+        its peer service still answers. It materializes the steps planned here, hands the
+        ingest batches and the responses of held steps to the actor, which puts them into
+        the object store (owned there, they outlive this process) and swaps the handles
+        (bulk data through the actor's queue, once per leave, a call per batch set and
+        step), and waits until
+        the steps other front-ends planned with the old handles are stored. RuntimeError
+        if the assembler or those steps take longer than `timeout_s`."""
+        if ray.get(self._calls.submit("sidecar_stopping")):
+            return  # the whole sidecar stops: nothing to keep
+        with self._gate:  # no ingest or first fetch may change what is handed over below
+            self._leaving = True
+            if not self._gate.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
+                raise RuntimeError("calls to this front-end did not finish")
+        if self._assembler is not None:  # stopped by release_waiters; it may still finish one
+            self._assembler.join(timeout=timeout_s)
+            if self._assembler.is_alive():
+                raise RuntimeError("the assembler thread did not stop")
+        deadline = time.monotonic() + timeout_s
+        while True:  # what was planned here (the assembler's own retry, bounded)
+            try:
+                self._assemble()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                _log.exception("rlfeed: step assembly failed while leaving; retrying in 1 s")
+                time.sleep(ASSEMBLY_RETRY_SECONDS)
+        reading = ray.get(self._calls.submit_with_notes("adopt_payloads", self._payloads.held()))
+        stored = self._responses.stored()
+        stored += [  # moved out earlier, under references this process owns
+            (step, ray.get([ref for (ref,) in refs]))
+            for step, refs in list(self._moved_out.items())
+        ]
+        held = set(ray.get(self._calls.submit("held_steps", [step for step, _ in stored])))
+        ray.get(
+            [
+                self._calls.submit("adopt_step", step, responses)
+                for step, responses in stored
+                if step in held
+            ]
+        )
+        deadline = time.monotonic() + timeout_s
+        while reading:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"steps {reading} reading this front-end's batches not stored")
+            time.sleep(_POLL_SECONDS / 5)
+            reading = ray.get(self._calls.submit("unstored_steps", reading))
+        sent = self._calls.sync(force=True)
+        if sent is not None:
+            ray.get(sent)
+        if not self._nothing_unstored():
+            raise RuntimeError("a step planned here was left unmaterialized")
+
+    def _nothing_unstored(self) -> bool:
+        with self._unstored_lock:
+            return not self._unstored
+
     def _move_out_old_steps(self) -> None:
         """Keep this front-end's memory bounded: of the oldest steps beyond the cache size,
         put those the actor still holds into the object store and hand it the references
@@ -397,7 +496,9 @@ class SidecarServicer:
         for step in oldest:
             responses = self._responses.get(step)
             if step in held and responses is not None:
-                self._calls.submit("move_step", step, [[ray.put(r)] for r in responses])
+                refs = [[ray.put(response)] for response in responses]
+                self._moved_out[step] = refs
+                self._calls.submit("move_step", step, refs)
         self._responses.drop(oldest)
 
     # ---- TaskSampling ---------------------------------------------------------------
@@ -422,6 +523,7 @@ class SidecarServicer:
     # ---- BatchServing ---------------------------------------------------------------
 
     @_unavailable_when_ray_fails
+    @_admitted
     def GetBatch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
         step, rank = int(request.step), int(request.rank)
         wait = min(request.timeout_ms / 1000.0, self.config.server.max_wait_seconds)
@@ -596,6 +698,8 @@ class SidecarServer:
     started_ray: bool
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
     peer_server: grpc.Server | None = None  # the other front-ends' way in
+    # A replica that stopped: whether it handed its data over (`SidecarServicer.hand_over`).
+    handed_over: bool = False
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -610,6 +714,12 @@ class SidecarServer:
             self.health.enter_graceful_shutdown()
             self.servicer.release_waiters()
             self.server.stop(grace).wait(grace + 1.0)
+            if not self.owns_actor:  # the sidecar runs on with what this replica holds
+                try:
+                    self.servicer.hand_over()
+                    self.handed_over = True
+                except Exception:  # its data is lost: the caller reports the replica failed
+                    _log.exception("rlfeed: this front-end could not hand its data over")
             if self.peer_server is not None:
                 self.peer_server.stop(grace).wait(grace + 1.0)
             self.servicer.close_peers()

@@ -19,6 +19,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.events import ServerEvents
@@ -90,6 +91,54 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 2
         replica.stop(grace=0.5)  # leaves the actor running, and unregisters
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 1
+        for channel in channels:
+            channel.close()
+    finally:
+        replica.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("cache_bytes", [None, 1], ids=["in-memory", "moved-out"])
+def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
+    make_sidecar, monkeypatch, cache_bytes
+) -> None:
+    """A replica stopping mid-run takes nothing along: a step it stored that no rank has
+    fetched, a step it stored and served (re-fetched byte-identical), and a step not yet
+    planned whose first halves only it received are all served by the front-end left.
+    With a 1-byte response cache its steps were already moved to the object store under
+    references it owns (they would die with its process): the actor holds new ones."""
+    primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 8})
+    if cache_bytes is not None:
+        monkeypatch.setattr("rlfeed.service.server._RESPONSE_CACHE_BYTES", cache_bytes)
+    replica = start_server(primary.config, join=True)
+    try:
+        rollouts = synthetic_groups(num_groups=10, group_size=4, rng=np.random.default_rng(24))
+        channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]
+        submit_halves(channels, rollouts)  # steps 0-3; the replica stores steps 0 and 2
+        step_0 = [fetch(channels[1], 0, rank) for rank in range(2)]
+        wait_until(lambda: replica.servicer._newest_stored >= 2, "step 2 not stored")
+
+        def submit(front_end: int, half: tuple[int, int], sequence: int) -> None:
+            rows = [row for row in range(32, 40) if row % 4 in half]  # step 4's groups
+            batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
+            stub = pb_grpc.RolloutIngestStub(channels[front_end])
+            assert stub.SubmitRolloutBatch(batch, timeout=30).accepted == 4
+
+        submit(1, (0, 1), 100)  # only the replica holds these rollouts
+        moved_out = dict(replica.servicer._moved_out)
+        assert bool(moved_out) == (cache_bytes is not None)
+        replica.stop(grace=0.5)
+        assert replica.handed_over
+        assert len(replica.servicer._payloads) > 0  # it held batches, and left them behind
+        for step, refs in moved_out.items():
+            kind, handle = ray.get(primary.actor.fetch_batch.remote(step, 0))
+            assert kind == "ready" and handle[0] != refs[0][0], (step, handle)
+        submit(0, (2, 3), 101)  # completes step 4 at the primary
+        served = [[fetch(channels[0], step, rank) for rank in range(2)] for step in range(5)]
+        assert served[0] == step_0
+        ids = [rid for step in served for rid in check_served_step(step, rollouts)]
+        assert sorted(ids) == sorted(rollouts.rollout_ids)
+        status = pb_grpc.SidecarStatusStub(channels[0]).GetStatus(pb.GetStatusRequest())
+        assert status.front_ends == 1
         for channel in channels:
             channel.close()
     finally:
@@ -248,6 +297,52 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
         except ProcessLookupError:
             continue
         raise AssertionError(f"replica {pid} outlived the sidecar")
+
+
+def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
+    """SIGTERM to a replica: it hands what it holds to the actor and exits 0; the first
+    process says so and serves on (another demo run completes), then stops cleanly."""
+    port, address = _free_port(), None
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def demo(steps: int) -> None:
+        run = subprocess.run(
+            [sys.executable, "-m", "rlfeed", "demo", "--address", address, "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    try:
+        for line in serve.stdout:
+            if "listening on" in line:
+                break
+        (replica,) = subprocess.run(
+            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+        ).stdout.split()
+        address = f"127.0.0.1:{port}"
+        demo(2)
+        os.kill(int(replica), signal.SIGTERM)
+        wait_until(lambda: not os.path.exists(f"/proc/{replica}"), "the replica still runs", 60)
+        status = subprocess.run(
+            [sys.executable, "-m", "rlfeed", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "front-ends       1" in status.stdout, status.stdout + status.stderr
+        demo(2)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        rest, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 0, rest[-3000:]
+    assert f"replica 1 (pid {replica}) left, its data handed over" in rest
 
 
 def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:

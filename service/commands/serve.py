@@ -30,6 +30,7 @@ each other's data. `--join` is that replica mode, for `--replicas` to start: it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(dump_config(config, args.print_config), flush=True)
 
+    import ray
     from rlfeed.service.metrics_events import SidecarExporter
     from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
@@ -152,7 +154,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
         code = 0
         while not stop.wait(0.5):
-            problem = replicas.exited() if replicas is not None else None
+            if replicas is None:
+                continue
+            for left in replicas.newly_left():
+                print(f"rlfeed serve: {left}, its data handed over", flush=True)
+            problem = replicas.exited()
             if problem is not None:
                 print(f"rlfeed serve: {problem}; stopping the sidecar", file=sys.stderr)
                 code = 1
@@ -161,10 +167,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         try:
             if replicas is not None:
+                with contextlib.suppress(Exception):  # they then hand nothing over
+                    ray.get(sidecar.actor.stop_sidecar.remote(), timeout=10)
                 replicas.stop()
             if exporter is not None:
                 exporter.stop()
         finally:
             sidecar.stop(grace=2.0)
+    if args.join and not sidecar.handed_over:  # the first process stops the sidecar
+        print("rlfeed serve: this replica could not hand its data over", file=sys.stderr)
+        return 1
     print("rlfeed serve: stopped", flush=True)
     return code
