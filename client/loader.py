@@ -28,8 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
-from rlfeed.client.transport import Transport, connect, fast_variant
+from rlfeed.client.transport import SidecarError, Transport, connect, fast_variant
 from rlfeed.proto import rlfeed_pb2 as pb
+
+# Between asks after an UNAVAILABLE answer (a front-end leaving or restarting), at most.
+_UNAVAILABLE_RETRY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,19 @@ class BatchLoader:
         self._stop_prefetcher()
 
     def fetch(self, step: int) -> TrainStep:
-        """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled."""
+        """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
+        UNAVAILABLE answer (a front-end leaving or restarting) is asked again until then:
+        a fetch is idempotent, the answer byte-identical wherever it comes from."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
-            response = self._get_batch(step, self.rank, wait)
+            try:
+                response = self._get_batch(step, self.rank, wait)
+            except SidecarError as exc:
+                if exc.code != "UNAVAILABLE" or time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
+                continue
             if response.ready:
                 return self._decode(response, step)
             if time.monotonic() >= deadline:

@@ -276,6 +276,37 @@ def test_a_step_that_never_comes_times_out(transport):
     loader.close()
 
 
+def test_an_unavailable_sidecar_is_asked_again_until_the_timeout(transport):
+    """A front-end leaving (or restarting) answers UNAVAILABLE: the loader asks again and
+    gets the step; any other error, or UNAVAILABLE past `timeout_s`, reaches the caller."""
+    from rlfeed.client.transport import SidecarError
+
+    produce(transport, steps=1)
+    expected = BatchLoader(transport, 0, WORLD_SIZE, prefetch=0).fetch(0)
+
+    class Failing:  # the transport, whose get_batch first fails with `codes`, in order
+        def __init__(self, codes: list[str]) -> None:
+            self.codes = codes
+
+        def __getattr__(self, name: str):
+            return getattr(transport, name)
+
+        def get_batch(self, step, rank, wait_s):
+            if self.codes:
+                raise SidecarError(self.codes.pop(0), "leaving")
+            return transport.get_batch(step, rank, wait_s)
+
+    flaky = BatchLoader(Failing(["UNAVAILABLE"] * 3), 0, WORLD_SIZE, prefetch=0, poll_s=0.01)
+    got = flaky.fetch(0)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.advantages, b.advantages)
+    with pytest.raises(SidecarError, match="INTERNAL"):
+        BatchLoader(Failing(["INTERNAL"]), 0, WORLD_SIZE, prefetch=0).fetch(0)
+    gone = BatchLoader(Failing(["UNAVAILABLE"] * 1000), 0, WORLD_SIZE, prefetch=0, timeout_s=0.2)
+    with pytest.raises(SidecarError, match="UNAVAILABLE"):
+        gone.fetch(0)
+
+
 def test_reports_reach_the_sidecar(transport):
     produce(transport, steps=1)
     with BatchLoader(transport, rank=1, world_size=WORLD_SIZE, stop_step=1) as loader:
