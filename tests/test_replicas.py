@@ -251,6 +251,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _status(address: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlfeed", "status", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -> None:
     port = _free_port()
     serve = subprocess.Popen(
@@ -279,12 +288,7 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
             timeout=300,
         )
         assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-        status = subprocess.run(
-            [sys.executable, "-m", "rlfeed", "status", "--address", address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        status = _status(address)
         assert "front-ends       2" in status.stdout, status.stdout + status.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -299,16 +303,29 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
         raise AssertionError(f"replica {pid} outlived the sidecar")
 
 
-def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
-    """SIGTERM to a replica: it hands what it holds to the actor and exits 0; the first
-    process says so and serves on (another demo run completes), then stops cleanly."""
-    port, address = _free_port(), None
+def _serve_with_a_replica(port: int) -> tuple[subprocess.Popen, str]:
+    """`rlfeed serve --replicas 2` on `port`, once listening, and its replica's pid."""
     serve = subprocess.Popen(
         [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    for line in serve.stdout:
+        if "listening on" in line:
+            break
+    (replica,) = subprocess.run(
+        ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+    ).stdout.split()
+    return serve, replica
+
+
+def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
+    """SIGTERM to a replica: it hands what it holds to the actor and exits 0; the first
+    process says so and serves on (another demo run completes), then stops cleanly."""
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    serve, replica = _serve_with_a_replica(port)
 
     def demo(steps: int) -> None:
         run = subprocess.run(
@@ -320,22 +337,10 @@ def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     try:
-        for line in serve.stdout:
-            if "listening on" in line:
-                break
-        (replica,) = subprocess.run(
-            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
-        ).stdout.split()
-        address = f"127.0.0.1:{port}"
         demo(2)
         os.kill(int(replica), signal.SIGTERM)
         wait_until(lambda: not os.path.exists(f"/proc/{replica}"), "the replica still runs", 60)
-        status = subprocess.run(
-            [sys.executable, "-m", "rlfeed", "status", "--address", address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        status = _status(address)
         assert "front-ends       1" in status.stdout, status.stdout + status.stderr
         demo(2)
     finally:
@@ -346,21 +351,11 @@ def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
 
 
 def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:
-    """A replica holds data the other front-ends need: the sidecar does not run on
-    without it (exit 1, saying which replica), nor leave any process behind."""
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "rlfeed", "serve", "--port", str(_free_port()), "--replicas", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    """A replica holds data the other front-ends need: killed, it cannot hand it over, so
+    the sidecar does not run on without it (exit 1, saying which replica), nor leave any
+    process behind."""
+    serve, replica = _serve_with_a_replica(_free_port())
     try:
-        for line in serve.stdout:
-            if "listening on" in line:
-                break
-        (replica,) = subprocess.run(
-            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
-        ).stdout.split()
         os.kill(int(replica), signal.SIGKILL)
         rest, _ = serve.communicate(timeout=60)
     finally:
