@@ -426,14 +426,15 @@ class SidecarServicer:
 
     def hand_over(self, timeout_s: float = HAND_OVER_SECONDS) -> None:
         """Leave the sidecar without taking data along (a replica stopping while the
-        others run on); call once no client call can reach this front-end any more, while
-        its peer service still answers. It materializes the steps planned here, hands the
-        ingest batches and the responses of held steps to the actor, which puts them into
-        the object store (owned there, they outlive this process) and swaps the handles
-        (bulk data through the actor's queue, once per leave, a call per batch set and
-        step), and waits until
-        the steps other front-ends planned with the old handles are stored. RuntimeError
-        if the assembler or those steps take longer than `timeout_s`."""
+        others run on); call once the public server stopped, while the peer service still
+        answers. It closes to ingest and GetBatch and waits for the calls in flight,
+        materializes the steps planned here, hands the ingest batches and the responses
+        of held steps to the actor, which puts them into the object store (owned there,
+        they outlive this process) and swaps the handles (bulk data through the actor's
+        queue, once per leave: one call for the batches, one per step), and waits until
+        the steps other front-ends planned with the old handles are stored. Nothing to do
+        when the whole sidecar is stopping. RuntimeError if a wait takes longer than
+        `timeout_s`."""
         if ray.get(self._calls.submit("sidecar_stopping")):
             return  # the whole sidecar stops: nothing to keep
         with self._gate:  # no ingest or first fetch may change what is handed over below
@@ -698,7 +699,8 @@ class SidecarServer:
     started_ray: bool
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
     peer_server: grpc.Server | None = None  # the other front-ends' way in
-    # A replica that stopped: whether it handed its data over (`SidecarServicer.hand_over`).
+    # A replica that stopped: whether it handed its data over (`SidecarServicer.hand_over`;
+    # also true when the whole sidecar was stopping and nothing needed keeping).
     handed_over: bool = False
     _stopped: bool = field(default=False, repr=False)
 
