@@ -138,7 +138,8 @@ class BatchLoader:
     def fetch(self, step: int) -> TrainStep:
         """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
         UNAVAILABLE answer (a front-end leaving or restarting) is asked again until then:
-        a fetch is idempotent, the answer byte-identical wherever it comes from."""
+        a fetch is idempotent, the answer byte-identical wherever it comes from (so a
+        sidecar that is gone for good surfaces after `timeout_s`, not at once)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
@@ -147,6 +148,8 @@ class BatchLoader:
             except SidecarError as exc:
                 if exc.code != "UNAVAILABLE" or time.monotonic() >= deadline:
                     raise
+                if self._prefetcher is not None and self._prefetcher.stopping:
+                    raise _Stopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
                 continue
             if response.ready:

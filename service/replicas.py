@@ -114,6 +114,8 @@ def start_replicas(
                 raise RuntimeError(f"cannot start the front-end replicas: {problem}")
             time.sleep(_READY_POLL_SECONDS)
     except BaseException:
+        with contextlib.suppress(Exception):  # the sidecar stops: nothing to hand over
+            ray.get(actor.stop_sidecar.remote(), timeout=10)
         replicas.stop()
         raise
     return replicas

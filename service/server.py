@@ -456,19 +456,15 @@ class SidecarServicer:
                 _log.exception("rlfeed: step assembly failed while leaving; retrying in 1 s")
                 time.sleep(ASSEMBLY_RETRY_SECONDS)
         reading = ray.get(self._calls.submit_with_notes("adopt_payloads", self._payloads.held()))
-        stored = self._responses.stored()
-        stored += [  # moved out earlier, under references this process owns
-            (step, ray.get([ref for (ref,) in refs]))
-            for step, refs in list(self._moved_out.items())
-        ]
-        held = set(ray.get(self._calls.submit("held_steps", [step for step, _ in stored])))
-        ray.get(
-            [
-                self._calls.submit("adopt_step", step, responses)
-                for step, responses in stored
-                if step in held
-            ]
-        )
+        in_memory = dict(self._responses.stored())
+        moved_out = dict(self._moved_out)  # under references this process owns
+        steps = sorted({*in_memory, *moved_out})
+        for step in ray.get(self._calls.submit("held_steps", steps)):  # one step at a time
+            if step in in_memory:
+                responses = in_memory[step]
+            else:
+                responses = ray.get([ref for (ref,) in moved_out[step]])
+            ray.get(self._calls.submit("adopt_step", step, responses))
         deadline = time.monotonic() + timeout_s
         while reading:
             if time.monotonic() > deadline:
@@ -499,7 +495,8 @@ class SidecarServicer:
             if step in held and responses is not None:
                 refs = [[ray.put(response)] for response in responses]
                 self._moved_out[step] = refs
-                self._calls.submit("move_step", step, refs)
+                if not ray.get(self._calls.submit("move_step", step, refs)):
+                    self._moved_out.pop(step, None)  # released meanwhile (maybe freed first)
         self._responses.drop(oldest)
 
     # ---- TaskSampling ---------------------------------------------------------------

@@ -305,6 +305,14 @@ def test_an_unavailable_sidecar_is_asked_again_until_the_timeout(transport):
     gone = BatchLoader(Failing(["UNAVAILABLE"] * 1000), 0, WORLD_SIZE, prefetch=0, timeout_s=0.2)
     with pytest.raises(SidecarError, match="UNAVAILABLE"):
         gone.fetch(0)
+    # Closing stops a prefetch that keeps meeting UNAVAILABLE at once, not after timeout_s.
+    retrying = BatchLoader(Failing(["UNAVAILABLE"] * 10**6), 0, WORLD_SIZE, prefetch=1, timeout_s=5)
+    iterator = iter(retrying)
+    threading.Thread(target=lambda: next(iterator, None), daemon=True).start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    retrying.close()
+    assert time.monotonic() - started < 1.0
 
 
 def test_reports_reach_the_sidecar(transport):
