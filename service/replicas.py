@@ -104,7 +104,12 @@ def start_replicas(
             ]  # fmt: skip
             # The token of Ray's token authentication reaches them through the environment
             # ray.init set up (RAY_AUTH_MODE) and the token file it wrote.
-            processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+            # A session of its own: Ctrl-C at a terminal reaches the first process only,
+            # which marks the sidecar stopping before it stops the replicas (they then have
+            # nothing to hand over).
+            processes.append(
+                subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+            )
         deadline = time.monotonic() + timeout_s
         while len(ray.get(actor.frontend_addresses.remote())) < wanted:
             problem = replicas.exited(clean_too=True)
