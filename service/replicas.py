@@ -42,6 +42,7 @@ class ReplicaProcesses:
 
     processes: list[subprocess.Popen]
     config_file: str
+    actor: ray.actor.ActorHandle
     _reported: set[int] = field(default_factory=set)  # replicas newly_left has named
 
     def exited(self, clean_too: bool = False) -> str | None:
@@ -63,8 +64,11 @@ class ReplicaProcesses:
         return left
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every replica (each hands its data over and stops within seconds), then
-        kill those still running after `timeout_s`."""
+        """Stop the whole sidecar's replicas: mark the sidecar stopping at the actor (so
+        they have nothing to hand over), SIGTERM every replica, then kill those still
+        running after `timeout_s`."""
+        with contextlib.suppress(Exception):  # an actor already gone: nothing to hand to
+            ray.get(self.actor.stop_sidecar.remote(), timeout=10)
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
@@ -92,7 +96,7 @@ def start_replicas(
         out.write(dump_config(resolved, "toml"))
     gcs_address = ray.get_runtime_context().gcs_address
     processes = []
-    replicas = ReplicaProcesses(processes, config_file)
+    replicas = ReplicaProcesses(processes, config_file, actor)
     try:
         for index in range(1, wanted):
             metrics_port = config.server.metrics_port + index if config.server.metrics_port else 0
@@ -119,8 +123,6 @@ def start_replicas(
                 raise RuntimeError(f"cannot start the front-end replicas: {problem}")
             time.sleep(_READY_POLL_SECONDS)
     except BaseException:
-        with contextlib.suppress(Exception):  # the sidecar stops: nothing to hand over
-            ray.get(actor.stop_sidecar.remote(), timeout=10)
         replicas.stop()
         raise
     return replicas

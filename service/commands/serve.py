@@ -22,15 +22,15 @@ section; a port in use exits 1.
 With `--replicas N` (`[server] replicas`) this process starts N-1 more front-ends,
 `rlfeed serve --join` processes on the same port and scheduler actor (see
 `rlfeed.service.replicas`), waits for them before printing the listening line, and stops
-them when it stops; if one exits, the whole sidecar stops (exit 1): the front-ends hold
-each other's data. `--join` is that replica mode, for `--replicas` to start: it needs
-`--ray-address` and leaves the actor running when it stops.
+them when it stops. A replica told to stop (SIGTERM) hands its data over and leaves (exit
+0; the sidecar runs on); if one exits otherwise, the whole sidecar stops (exit 1): the
+front-ends hold each other's data. `--join` is that replica mode, for `--replicas` to
+start: it needs `--ray-address` and leaves the actor running when it stops.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import threading
@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(dump_config(config, args.print_config), flush=True)
 
-    import ray
     from rlfeed.service.metrics_events import SidecarExporter
     from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
@@ -167,8 +166,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         try:
             if replicas is not None:
-                with contextlib.suppress(Exception):  # they then hand nothing over
-                    ray.get(sidecar.actor.stop_sidecar.remote(), timeout=10)
                 replicas.stop()
             if exporter is not None:
                 exporter.stop()
