@@ -552,15 +552,15 @@ class Scheduler:
         )
         plan = assemble_step(step_rollouts, self._step_config)
         step = self._next_step
+        reads = sorted({row[1] for row in rows})  # the ingest batches the step reads
         work = StepWork(
             step=step,
             plan=plan,
             rows=[(row[1], row[2]) for row in rows],
             rollout_ids=[row[3] for row in rows],
             policy_versions=versions,
-            payloads={key: self._payloads[key][0] for key in {row[1] for row in rows}},
+            payloads={key: self._payloads[key][0] for key in reads},
         )
-        reads = sorted({row[1] for row in rows})
         for key in reads:  # the step holds its batches until store_step
             self._payloads[key][1] += 1
         for group_id, group in groups:

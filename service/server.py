@@ -157,11 +157,11 @@ class SidecarServicer:
         actor: ray.actor.ActorHandle,
         events: ServerEvents | None = None,
         *,
-        replica: bool = False,
+        announce: bool = False,
     ) -> None:
         self.config = config
-        # Announce stored steps to the other front-ends (there are none by default).
-        self._announce = replica or config.server.replicas > 1
+        # Announce stored steps to the other front-ends (when there may be any).
+        self._announce = announce
         self.actor = actor
         self.events = events if events is not None else ServerEvents()
         self._id = uuid.uuid4().hex
@@ -317,9 +317,7 @@ class SidecarServicer:
             if self._stopping:
                 return
             try:
-                with self._unstored_lock:
-                    has_work = bool(self._unstored)
-                if has_work:
+                if not self._nothing_unstored():
                     self._assemble()
                 else:
                     due = time.monotonic() - self._last_sync > RELEASES_POLL_SECONDS
@@ -815,16 +813,16 @@ def start_server(
     does when `[server] replicas` > 1) and leaves the actor running when it stops."""
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = None
-    shared_port = join or config.server.replicas > 1
+    replicated = join or config.server.replicas > 1  # other front-ends may share the actor
     try:
         if join:
             actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
         else:
             actor = create_scheduler_actor(config)
-        servicer = SidecarServicer(config, actor, events, replica=join)
+        servicer = SidecarServicer(config, actor, events, announce=replicated)
         peer_server, peer_address = _start_peer_server(config, servicer)
         # A busy port is an error, not a shared socket, unless replicas share it.
-        server = _grpc_server(config, "rlfeed-grpc", ("grpc.so_reuseport", int(shared_port)))
+        server = _grpc_server(config, "rlfeed-grpc", ("grpc.so_reuseport", int(replicated)))
         pb_grpc.add_TaskSamplingServicer_to_server(servicer, server)
         pb_grpc.add_SidecarStatusServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers(
