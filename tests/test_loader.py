@@ -181,6 +181,38 @@ def test_served_columns_alias_the_arrow_buffers():
     np.testing.assert_array_equal(tensors["input_ids"].numpy(), values)
 
 
+def _microbatch_payload(columns: dict[str, np.ndarray]) -> bytes:
+    table = pa.table(columns)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def test_served_columns_are_read_by_name_whatever_their_order():
+    """The served schema is read at once; any other layout (reordered, an extra column, a
+    wrong type) is read column by column, by name, with the offending column named."""
+    n = 10
+    columns = {
+        "advantages": np.full(n, 0.5, np.float32),
+        "extra": np.zeros(n, np.int64),
+        "sampler_logprobs": np.full(n, -1.0, np.float32),
+        "loss_mask": np.ones(n, np.uint8),
+        "target_ids": np.arange(1, n + 1, dtype=np.int32),
+        "position_ids": np.arange(n, dtype=np.int32),
+        "input_ids": np.arange(n, dtype=np.int32),
+    }
+    tensors = _column_tensors(_microbatch_payload(columns), n)
+    assert set(tensors) == set(MICROBATCH_COLUMNS)
+    for name in MICROBATCH_COLUMNS:
+        np.testing.assert_array_equal(tensors[name].numpy(), columns[name])
+    columns["loss_mask"] = np.ones(n, np.int32)
+    with pytest.raises(ValueError, match="served column 'loss_mask' is int32, expected uint8"):
+        _column_tensors(_microbatch_payload(columns), n)
+    with pytest.raises(ValueError, match="has 10 rows, expected 11"):
+        _column_tensors(_microbatch_payload({**columns, "loss_mask": np.ones(n, np.uint8)}), 11)
+
+
 def test_rank_and_world_size_come_from_torchrun_env(transport, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

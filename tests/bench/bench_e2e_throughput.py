@@ -20,13 +20,15 @@ What runs, all on loopback in one invocation, per repeat:
    loaded long before its first step, and OpenMP workers spinning after each mask sum
    would take the cores the sidecar and producers share on a small machine.
 2. **Raw baseline**, right after, so both see the same (shared, noisy) machine. A trivial
-   gRPC service (generic handlers, bytes in and out, no parsing) in this process; a client
-   process streams the producers' exact Arrow payloads to a sink (client streaming), then
-   receives from a source (server streaming) messages of exactly the sizes the sidecar
-   sent to the ranks (counted where they are sent, in the sidecar's `on_served` hook, so
-   the ranks' timed loop does no measuring; with replicas, whose hooks run in other
-   processes, each step's stored size from the actor, split evenly over the ranks). Raw
-   time = both transfers, one after the other.
+   gRPC service (generic handlers, bytes in and out, no parsing) in a process of its own
+   (so it owes nothing to the sidecar's heap or allocator state); a client process streams
+   the producers' exact Arrow payloads to a sink (client streaming), then receives from a
+   source (server streaming) messages of exactly the sizes the sidecar sent to the ranks
+   (counted where they are sent, in the sidecar's `on_served` hook, so the ranks' timed
+   loop does no measuring; with replicas, whose hooks run in other processes, each step's
+   stored size from the actor, split evenly over the ranks). The client does all of it
+   twice and the second pass is timed: both ends are warm, as the sidecar's process is.
+   Raw time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -263,7 +265,7 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     go.wait()
     for step in loader:
         for mb in step:
-            policy_tokens += int(mb.loss_mask.sum())
+            policy_tokens += mb.policy_tokens
     loader.close()
     results.put(("trainer", rank, (time.perf_counter(), policy_tokens)))
 
@@ -374,45 +376,53 @@ def run_e2e(
 # -- raw baseline -------------------------------------------------------------------------
 
 
+_RAW_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
 def raw_client_main(address: str, sink_payloads: list[bytes], source_sizes: list[int], out):
+    """Stream the payloads in, then the messages out: once to warm up, once timed."""
     import grpc
 
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    channel = grpc.insecure_channel(address, options=options)
+    channel = grpc.insecure_channel(address, options=_RAW_OPTIONS)
     sink = channel.stream_unary("/raw.Raw/Sink")
     source = channel.unary_stream("/raw.Raw/Source")
-    sink(iter([b"warm-up"]))
-    cpu_started = time.process_time()
-    started = time.perf_counter()
-    sink(iter(sink_payloads))
-    middle = time.perf_counter()
-    received = sum(len(m) for m in source(np.asarray(source_sizes, np.int64).tobytes()))
-    ended = time.perf_counter()
-    cpu = time.process_time() - cpu_started
+    sizes = np.asarray(source_sizes, np.int64).tobytes()
+    for _pass in ("warm-up", "timed"):
+        sink(iter([b"start"]))  # the server starts (or stops) counting its CPU here
+        cpu_started = time.process_time()
+        started = time.perf_counter()
+        sink(iter(sink_payloads))
+        middle = time.perf_counter()
+        received = sum(len(m) for m in source(sizes))
+        ended = time.perf_counter()
+        cpu = time.process_time() - cpu_started
+    sink(iter([b"start"]))
     channel.close()
     out.put((middle - started, ended - middle, received, cpu))
 
 
-def run_raw(
-    sink_payloads: list[bytes], source_sizes: list[int], cpu: bool = False
-) -> tuple[float, float]:
-    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out);
-    with `cpu`, also prints the CPU seconds both ends used (the floor e2e is compared to)."""
+def raw_server_main(largest: int, out) -> None:
+    """A trivial gRPC service in a process of its own (generic handlers, bytes in and out,
+    no parsing): Sink counts what it is sent, Source sends messages of the sizes asked for.
+    Puts its port, then the CPU seconds between the client's last two "start" marks."""
     import grpc
 
-    blob = os.urandom(max(source_sizes))
+    blob = os.urandom(largest)
+    marks: list[float] = []
 
     def sink(request_iterator, context):
-        return str(sum(len(m) for m in request_iterator)).encode()
+        total = 0
+        for message in request_iterator:
+            if message == b"start":
+                marks.append(time.process_time())
+            total += len(message)
+        return str(total).encode()
 
     def source(request, context):
         for size in np.frombuffer(request, np.int64).tolist():
             yield blob[:size]
 
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
-        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
-    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_RAW_OPTIONS)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
@@ -424,27 +434,49 @@ def run_raw(
             ),
         )
     )
-    port = server.add_insecure_port("127.0.0.1:0")
+    out.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
+    while len(marks) < 3:
+        time.sleep(0.01)
+    out.put(marks[2] - marks[1])
+    server.stop(0)
+
+
+def run_raw(
+    sink_payloads: list[bytes], source_sizes: list[int], cpu: bool = False
+) -> tuple[float, float]:
+    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out),
+    the second of two passes (the first warms both ends up); with `cpu`, also prints the CPU
+    seconds both ends used in it (the floor e2e is compared to).
+
+    Both ends are fresh processes of their own, so the baseline owes nothing to the state
+    of the sidecar's process (its heap, its threads, its allocator settings)."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    client = ctx.Process(
-        target=raw_client_main, args=(f"127.0.0.1:{port}", sink_payloads, source_sizes, out)
-    )
+    server_out, client_out = ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=raw_server_main, args=(max(source_sizes), server_out))
+    server.start()
+    client = None
     try:
-        server_cpu = time.process_time()
+        port = server_out.get(timeout=120)
+        client = ctx.Process(
+            target=raw_client_main,
+            args=(f"127.0.0.1:{port}", sink_payloads, source_sizes, client_out),
+        )
         client.start()
-        sink_seconds, source_seconds, received, client_cpu = out.get(timeout=600)
-        server_cpu = time.process_time() - server_cpu
+        sink_seconds, source_seconds, received, client_cpu = client_out.get(timeout=600)
+        server_cpu = server_out.get(timeout=60)
         assert received == sum(source_sizes)
         if cpu:
             print(
                 f"  CPU of the raw stream: client {client_cpu:.2f} s + server {server_cpu:.2f} s "
-                f"(server includes starting the client) = {client_cpu + server_cpu:.2f} s"
+                f"= {client_cpu + server_cpu:.2f} s"
             )
     finally:
-        client.join(timeout=30)
-        server.stop(0)
+        for process in (client, server):
+            if process is not None:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
     return sink_seconds, source_seconds
 
 
