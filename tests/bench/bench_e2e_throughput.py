@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
-      [--replicas 1] [--stages] [--cpu]
+      [--replicas 1] [--stages] [--cpu] [--client-env NAME=VALUE ...]
 Cost: about 25 s on 2 cores (Ray start-up included), both cases, one repeat; each further
 repeat about 10 s per case.
 
@@ -46,14 +46,16 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
-batches of 114 rollouts): the raw stream takes ~0.31-0.35 s and ~0.6-0.8 CPU-s (both
-ends; it already fills both cores). End to end takes ~0.8-1.0 s and ~1.5-1.9 CPU-s:
-front-end 0.62-0.9 (gRPC receive + send about as the raw server, ~0.4; the rest decode,
-validate, materialization, and ~0.15 s of minor page faults, each ~2 us in this VM, mostly
-under the response join), ranks 2 x ~0.25, producers 2 x ~0.15, scheduler actor ~0.1,
-Ray's daemons < 0.05. Both cores stay ~95% busy and the front-end's GIL-bound share near
-one core, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 35-47%, single
-runs 32-51% (the machine is shared). Smaller writer batches cost more actor calls and
+batches of 114 rollouts): the raw stream takes ~0.31-0.44 s and ~0.45-0.7 CPU-s (both
+ends; it already fills both cores). End to end takes ~0.8-1.2 s and ~1.5-2.0 CPU-s:
+front-end 0.62-0.9 (gRPC receive + send about as the raw server; its assembler thread
+~0.27, materializing the steps; 65-110k minor page faults, each ~1.5-2 us in this VM: the
+ingest batches and responses it holds for ranks that are behind), ranks 2 x ~0.2-0.3,
+producers 2 x ~0.15, scheduler actor ~0.1, Ray's daemons < 0.05. Both cores stay ~90%
+busy, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 35-47%, single
+runs 30-51% (the machine is shared). `--client-env MALLOC_TOP_PAD_=67108864` halves the
+producers' CPU and cuts the ranks' page faults (README, "Tuning a deployment"); its effect
+on the ratio is within the noise. Smaller writer batches cost more actor calls and
 Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%); two batches in flight
 (`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
 the front-ends fetch each other's batches and responses and no core is free for the
@@ -63,6 +65,7 @@ second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -165,6 +168,22 @@ def payloads(case: Case, rows: list[dict]) -> list[bytes]:
 
 
 # -- end to end ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]):
+    """os.environ with `overrides` while processes are started in it (spawned processes
+    take a copy at start), restored after."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
@@ -271,7 +290,12 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
 
 
 def run_e2e(
-    case: Case, producers: int, in_flight: int, cpu: bool = False, replicas: int = 1
+    case: Case,
+    producers: int,
+    in_flight: int,
+    cpu: bool = False,
+    replicas: int = 1,
+    client_env: dict[str, str] | None = None,
 ) -> dict:
     import ray
     from rlfeed.service.config import SidecarConfig, with_overrides
@@ -319,8 +343,9 @@ def run_e2e(
         for r in range(WORLD_SIZE)
     ]
     try:
-        for process in processes:
-            process.start()
+        with environment(client_env or {}):
+            for process in processes:
+                process.start()
         for _ in processes:
             results.get(timeout=300)  # ready
         cpu_before = cpu_snapshot() if cpu else {}
@@ -443,7 +468,10 @@ def raw_server_main(largest: int, out) -> None:
 
 
 def run_raw(
-    sink_payloads: list[bytes], source_sizes: list[int], cpu: bool = False
+    sink_payloads: list[bytes],
+    source_sizes: list[int],
+    cpu: bool = False,
+    client_env: dict[str, str] | None = None,
 ) -> tuple[float, float]:
     """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out),
     the second of two passes (the first warms both ends up); with `cpu`, also prints the CPU
@@ -462,7 +490,8 @@ def run_raw(
             target=raw_client_main,
             args=(f"127.0.0.1:{port}", sink_payloads, source_sizes, client_out),
         )
-        client.start()
+        with environment(client_env or {}):
+            client.start()
         sink_seconds, source_seconds, received, client_cpu = client_out.get(timeout=600)
         server_cpu = server_out.get(timeout=60)
         assert received == sum(source_sizes)
@@ -579,6 +608,7 @@ def run_case(
     repeats: int,
     cpu: bool = False,
     replicas: int = 1,
+    client_env: dict[str, str] | None = None,
 ) -> None:
     print(
         f"\n== {case.name}: {case.rollouts:,} rollouts x {case.tokens:,} tokens, "
@@ -597,9 +627,9 @@ def run_case(
         if repeats > 1:
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
-        e2e = run_e2e(case, producers, in_flight, cpu, replicas)
+        e2e = run_e2e(case, producers, in_flight, cpu, replicas, client_env)
         e2e["ingest_bytes"] = sum(map(len, sink_payloads))  # the producers' Arrow payloads
-        sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu)
+        sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu, client_env)
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
         rates.append(rate)
@@ -667,7 +697,16 @@ def main() -> None:
     parser.add_argument(
         "--replicas", type=int, default=1, help="front-end processes on the sidecar's port"
     )
+    parser.add_argument(
+        "--client-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of every client process, the raw client's too (e.g. "
+        "MALLOC_TOP_PAD_=67108864, see README 'Tuning a deployment'); repeatable",
+    )
     args = parser.parse_args()
+    client_env = dict(item.split("=", 1) for item in args.client_env)
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
         tokens, rollouts, prompts, group, batch, budget = CASES[name]
@@ -676,7 +715,14 @@ def main() -> None:
             rollouts = max(per_step, args.rollouts // per_step * per_step)
         case = Case(name, tokens, rollouts, prompts, group, args.batch_rollouts or batch, budget)
         run_case(
-            case, args.producers, args.in_flight, args.stages, args.repeats, args.cpu, args.replicas
+            case,
+            args.producers,
+            args.in_flight,
+            args.stages,
+            args.repeats,
+            args.cpu,
+            args.replicas,
+            client_env,
         )
 
 
