@@ -8,6 +8,7 @@ at a time: tokens, restarted position ids, next-token targets, loss mask, sample
 log-probs, per-group advantages, cu_seqlens, the global policy-token count, equal
 microbatch counts per rank, and that every served rollout appears exactly once.
 `fetch_served_bytes` asks a sidecar for one (step, rank) and returns the bytes as served.
+`step_record` is a StepRecord with plausible figures, for the metrics' tests.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.codec import decode_microbatch, encode_rollout_batch
+from rlfeed.service.records import StepRecord
 
 
 @dataclass
@@ -203,3 +205,15 @@ def fetch_served_bytes(channel: grpc.Channel, step: int, rank: int) -> bytes:
         response_deserializer=None,
     )
     return get(pb.GetBatchRequest(step=step, rank=rank, timeout_ms=10_000), timeout=30)
+
+
+def step_record(**fields) -> StepRecord:
+    """A StepRecord with plausible figures, `fields` overriding them."""
+    values = dict(
+        step=0, num_rollouts=8, num_groups=2, zero_advantage_groups=1,
+        zero_advantage_groups_dropped=0, policy_token_count=100, real_tokens=400,
+        computed_positions=400, padded_positions=640, largest_microbatch_positions=300,
+        rank_imbalance=1.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
+        policy_version=0, min_policy_version=0, response_bytes=0,
+    )  # fmt: skip
+    return StepRecord(**{**values, **fields})

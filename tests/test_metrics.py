@@ -31,7 +31,7 @@ from rlfeed.service.metrics import (
 )
 from rlfeed.service.metrics_http import MetricsServer
 from rlfeed.service.scheduler import BackpressureError, BatchMeta, Scheduler, StepRecord
-from rlfeed.service.testing import synthetic_groups
+from rlfeed.service.testing import step_record, synthetic_groups
 from rlfeed.service.validation import InvalidBatchError, validate_rollout_batch
 
 
@@ -69,18 +69,6 @@ def record_from_plan(plan, step: int, zero_advantage_groups_dropped: int = 0) ->
         zero_advantage_groups_dropped=zero_advantage_groups_dropped,
         policy_versions=(0, 0),
     )
-
-
-def step_record(**fields) -> StepRecord:
-    """A StepRecord with plausible figures, `fields` overriding them."""
-    values = dict(
-        step=0, num_rollouts=8, num_groups=2, zero_advantage_groups=1,
-        zero_advantage_groups_dropped=0, policy_token_count=100, real_tokens=400,
-        computed_positions=400, padded_positions=640, largest_microbatch_positions=300,
-        rank_imbalance=1.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
-        policy_version=0, min_policy_version=0, response_bytes=0,
-    )  # fmt: skip
-    return StepRecord(**{**values, **fields})
 
 
 def served_microbatches(plan, columns):

@@ -36,7 +36,9 @@ import numpy as np
 import pytest
 import yaml
 from rlfeed.service.demo_fleet import FleetConfig
-from rlfeed.service.metrics import PASS_RATE_BUCKETS, RlfeedMetrics
+from rlfeed.service.metrics import PASS_RATE_BUCKETS, MetricsConfig, RlfeedMetrics
+from rlfeed.service.metrics_http import MetricsServer
+from rlfeed.service.testing import step_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/dashboards/rlfeed.json"
@@ -147,8 +149,8 @@ def http_json(url: str, timeout: float = 5.0) -> dict:
 
 
 @contextlib.contextmanager
-def running_prometheus(tmp_path: Path, target: str):
-    """A Prometheus scraping `target` every second; yields its base URL."""
+def running_prometheus(tmp_path: Path, *targets: str):
+    """A Prometheus scraping `targets` every second; yields its base URL."""
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -159,7 +161,7 @@ def running_prometheus(tmp_path: Path, target: str):
                     {
                         "job_name": "rlfeed",
                         "metrics_path": "/metrics",
-                        "static_configs": [{"targets": [target]}],
+                        "static_configs": [{"targets": list(targets)}],
                     }
                 ],
             }
@@ -251,6 +253,56 @@ def number(text: str) -> float:
 def scalar(prometheus: str, expr: str, at: float) -> float:
     (sample,) = query(prometheus, expr, at)
     return float(sample["value"][1])
+
+
+NEWEST_STEP_ONLY = "and on(instance) (rlfeed_step == scalar(max(rlfeed_step)))"
+
+
+def test_per_step_panels_show_the_front_end_that_assembled_the_newest_step(tmp_path):
+    """With `rlfeed serve --replicas N` each front-end exports the per-step gauges of the
+    steps it assembled, so a bare gauge draws one line per front-end, each stuck at its own
+    last step. Every per-step panel keeps only the front-end holding the newest step: one
+    series, the newest step's figures, whichever front-end assembled it."""
+    dashboard = load_dashboard()
+    per_step = [
+        (title, expr)
+        for title, expr in dashboard_queries(dashboard)
+        if re.search(r"\brlfeed_step_(?!latency)\w+", expr) and "_total" not in expr
+    ]
+    assert len(per_step) >= 10
+    for title, expr in per_step:
+        assert NEWEST_STEP_ONLY in expr, f"panel {title!r}: {expr}"
+    first, second = (RlfeedMetrics(MetricsConfig(world_size=2)) for _ in range(2))
+    first.on_step(step_record(step=6, real_tokens=300))
+    second.on_step(step_record(step=7, real_tokens=350))
+    with (
+        MetricsServer(first) as first_server,
+        MetricsServer(second) as second_server,
+        running_prometheus(
+            tmp_path, f"127.0.0.1:{first_server.port}", f"127.0.0.1:{second_server.port}"
+        ) as prometheus,
+    ):
+
+        def panels_show(step: int, real_tokens: int, holder: MetricsServer) -> None:
+            deadline = time.monotonic() + 20
+            while scalar_or_none(prometheus, "max(rlfeed_step)") != step:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step {step} not scraped in 20 s")
+                time.sleep(0.2)
+            for title, expr in per_step:  # one front-end's series (one per phase for GPU-hours)
+                instances = {sample["metric"]["instance"] for sample in query(prometheus, expr)}
+                assert instances == {f"127.0.0.1:{holder.port}"}, title
+            real = next(e for _, e in per_step if e.startswith("rlfeed_step_real_tokens "))
+            assert scalar(prometheus, real, time.time()) == real_tokens
+
+        panels_show(7, real_tokens=350, holder=second_server)
+        first.on_step(step_record(step=8, real_tokens=380))
+        panels_show(8, real_tokens=380, holder=first_server)
+
+
+def scalar_or_none(prometheus: str, expr: str) -> float | None:
+    samples = query(prometheus, expr)
+    return float(samples[0]["value"][1]) if samples else None
 
 
 def test_every_dashboard_query_returns_data_from_prometheus_scraping_a_live_demo(tmp_path):
