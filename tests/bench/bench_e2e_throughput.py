@@ -54,9 +54,10 @@ ingest batches and responses it holds for ranks that are behind), ranks 2 x ~0.2
 producers 2 x ~0.15, scheduler actor ~0.1, Ray's daemons < 0.05. Both cores stay ~90%
 busy, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 35-47%, single
 runs 30-51% (the machine is shared). `--client-env MALLOC_TOP_PAD_=67108864` halves the
-producers' CPU and cuts the ranks' page faults (README, "Tuning a deployment"); its effect
-on the ratio is within the noise. Smaller writer batches cost more actor calls and
-Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%); two batches in flight
+producers' CPU and cuts the ranks' page faults (README, "Tuning a deployment"); on the
+ratio, medians of 9 runs 42.1% without and 46.6% with (single runs 34-51% and 34-64%).
+Smaller writer batches cost more actor calls and Python per byte (`--batch-rollouts 16`,
+1.1 MiB: ~30-34%); two batches in flight
 (`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
 the front-ends fetch each other's batches and responses and no core is free for the
 second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.)
