@@ -143,9 +143,13 @@ def _all_finite(values: np.ndarray) -> bool:
 def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
     int32_end = np.iinfo(np.int32).max + 1
     upper = min(vocab_size, int32_end) if vocab_size > 0 else int32_end
-    ids = batch.token_ids
+    ids = batch.token_ids  # int32 from the decoder
     # One reduction for both bounds: read as uint32, a negative id is >= 2**31 >= upper.
-    if ids.size and ids.view(np.uint32).max() >= upper:
+    if ids.dtype == np.int32:
+        out_of_range = ids.size and ids.view(np.uint32).max() >= upper
+    else:
+        out_of_range = ids.size and (ids.min() < 0 or ids.max() >= upper)
+    if out_of_range:
         position = int(np.flatnonzero((ids < 0) | (ids >= upper))[0])
         row = _rollout_of_token(batch.offsets, position)
         bound = f"[0, {vocab_size})" if vocab_size > 0 else "[0, inf)"

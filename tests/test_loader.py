@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from rlfeed.client import arrow_codec
 from rlfeed.client.arrow_codec import MICROBATCH_COLUMNS, _column_tensors
 from rlfeed.client.loader import BatchLoader
 from rlfeed.client.producer import RolloutWriter
@@ -181,12 +182,39 @@ def test_served_columns_alias_the_arrow_buffers():
     np.testing.assert_array_equal(tensors["input_ids"].numpy(), values)
 
 
-def _microbatch_payload(columns: dict[str, np.ndarray]) -> bytes:
+def _microbatch_payload(columns: dict[str, np.ndarray], batch_rows: int | None = None) -> bytes:
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+        writer.write_table(table, max_chunksize=batch_rows)
     return sink.getvalue().to_pybytes()
+
+
+def _served_columns(n: int) -> dict[str, np.ndarray]:
+    """Columns in MICROBATCH_SCHEMA's order and types, as the server writes them."""
+    return {
+        "input_ids": np.arange(n, dtype=np.int32),
+        "position_ids": np.arange(n, dtype=np.int32),
+        "target_ids": np.arange(1, n + 1, dtype=np.int32),
+        "loss_mask": np.ones(n, np.uint8),
+        "sampler_logprobs": np.full(n, -1.0, np.float32),
+        "advantages": np.full(n, 0.5, np.float32),
+    }
+
+
+def test_the_served_layout_is_read_with_one_schema_check(monkeypatch):
+    """A microbatch as the server writes it skips the column-by-column checks; one of
+    another length, or split over two record batches, takes them (and still decodes)."""
+    columns = _served_columns(10)
+    with monkeypatch.context() as patch:
+        patch.setattr(arrow_codec, "_checked_columns", lambda *_: pytest.fail("checked"))
+        tensors = _column_tensors(_microbatch_payload(columns), 10)
+    np.testing.assert_array_equal(tensors["target_ids"].numpy(), columns["target_ids"])
+    with pytest.raises(ValueError, match="served column 'input_ids' has 10 rows, expected 9"):
+        _column_tensors(_microbatch_payload(columns), 9)
+    split = _column_tensors(_microbatch_payload(columns, batch_rows=4), 10)
+    for name, values in columns.items():
+        np.testing.assert_array_equal(split[name].numpy(), values)
 
 
 def test_served_columns_are_read_by_name_whatever_their_order():

@@ -258,11 +258,12 @@ def scalar(prometheus: str, expr: str, at: float) -> float:
 NEWEST_STEP_ONLY = "and on(instance) (rlfeed_step == scalar(max(rlfeed_step)))"
 
 
-def test_per_step_panels_show_the_front_end_that_assembled_the_newest_step(tmp_path):
+def test_per_step_panels_draw_the_newest_step_as_one_series_across_front_ends(tmp_path):
     """With `rlfeed serve --replicas N` each front-end exports the per-step gauges of the
     steps it assembled, so a bare gauge draws one line per front-end, each stuck at its own
-    last step. Every per-step panel keeps only the front-end holding the newest step: one
-    series, the newest step's figures, whichever front-end assembled it."""
+    last step. Every per-step panel keeps the front-end holding the newest step and drops
+    the instance label: one line (one per phase for GPU-hours) with the newest step's
+    figures, also across a change of the front-end that holds it."""
     dashboard = load_dashboard()
     per_step = [
         (title, expr)
@@ -272,6 +273,7 @@ def test_per_step_panels_show_the_front_end_that_assembled_the_newest_step(tmp_p
     assert len(per_step) >= 10
     for title, expr in per_step:
         assert NEWEST_STEP_ONLY in expr, f"panel {title!r}: {expr}"
+    real_tokens = next(e for _, e in per_step if "rlfeed_step_real_tokens " in e)
     first, second = (RlfeedMetrics(MetricsConfig(world_size=2)) for _ in range(2))
     first.on_step(step_record(step=6, real_tokens=300))
     second.on_step(step_record(step=7, real_tokens=350))
@@ -283,21 +285,33 @@ def test_per_step_panels_show_the_front_end_that_assembled_the_newest_step(tmp_p
         ) as prometheus,
     ):
 
-        def panels_show(step: int, real_tokens: int, holder: MetricsServer) -> None:
+        def wait_for_step(step: int) -> float:
             deadline = time.monotonic() + 20
             while scalar_or_none(prometheus, "max(rlfeed_step)") != step:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"step {step} not scraped in 20 s")
                 time.sleep(0.2)
-            for title, expr in per_step:  # one front-end's series (one per phase for GPU-hours)
-                instances = {sample["metric"]["instance"] for sample in query(prometheus, expr)}
-                assert instances == {f"127.0.0.1:{holder.port}"}, title
-            real = next(e for _, e in per_step if e.startswith("rlfeed_step_real_tokens "))
-            assert scalar(prometheus, real, time.time()) == real_tokens
+            return time.time()
 
-        panels_show(7, real_tokens=350, holder=second_server)
+        start = wait_for_step(7)  # held by the second front-end
+        assert scalar(prometheus, real_tokens, time.time()) == 350
         first.on_step(step_record(step=8, real_tokens=380))
-        panels_show(8, real_tokens=380, holder=first_server)
+        wait_for_step(8)  # now by the first
+        assert scalar(prometheus, real_tokens, time.time()) == 380
+        time.sleep(2.5)  # so the range's last 1 s points are past the change
+        end = time.time()
+        for title, expr in per_step:
+            series = query_range(prometheus, expr, start, end)
+            phases = 3 if "gpu_seconds" in expr else 1
+            assert len(series) == phases, f"panel {title!r}: {[s['metric'] for s in series]}"
+
+
+def query_range(prometheus: str, expr: str, start: float, end: float) -> list[dict]:
+    """Range query at 1 s resolution: one entry per series a panel would draw."""
+    params = {"query": expr, "start": repr(start), "end": repr(end), "step": "1"}
+    answer = http_json(f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode(params))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
 
 
 def scalar_or_none(prometheus: str, expr: str) -> float | None:

@@ -17,7 +17,7 @@ What runs, all on loopback in one invocation, per repeat:
    `--replicas N`, N-1 more front-ends (`rlfeed serve --join` processes, as `rlfeed serve
    --replicas N` starts them) share the port; each client connection lands on one of them. The ranks
    import torch and set one torch thread before the start signal: a trainer has torch
-   loaded long before its first step, and OpenMP workers spinning after each mask sum
+   loaded long before its first step, and OpenMP workers spinning after each mask count
    would take the cores the sidecar and producers share on a small machine.
 2. **Raw baseline**, right after, so both see the same (shared, noisy) machine. A trivial
    gRPC service (generic handlers, bytes in and out, no parsing) in a process of its own
@@ -27,8 +27,10 @@ What runs, all on loopback in one invocation, per repeat:
    (counted where they are sent, in the sidecar's `on_served` hook, so the ranks' timed
    loop does no measuring; with replicas, whose hooks run in other processes, each step's
    stored size from the actor, split evenly over the ranks). The client does all of it
-   twice and the second pass is timed: both ends are warm, as the sidecar's process is.
-   Raw time = both transfers, one after the other.
+   twice and the second pass is timed: both ends are warm, like the sidecar's process but
+   unlike the end-to-end producers and ranks, fresh processes timed on their one pass (a
+   bias against end to end, kept so that the baseline is never the flattered side). Raw
+   time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -72,8 +74,13 @@ import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from multiprocessing.queues import Queue
 
 WORLD_SIZE = 2
 CASES = {
@@ -172,7 +179,7 @@ def payloads(case: Case, rows: list[dict]) -> list[bytes]:
 
 
 @contextlib.contextmanager
-def environment(overrides: dict[str, str]):
+def environment(overrides: dict[str, str]) -> Iterator[None]:
     """os.environ with `overrides` while processes are started in it (spawned processes
     take a copy at start), restored after."""
     saved = {name: os.environ.get(name) for name in overrides}
@@ -274,8 +281,8 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     from rlfeed.client.loader import BatchLoader
 
     # A trainer has torch loaded long before its first step: the import (seconds here) is
-    # not the loader's cost. Reading the mask stands in for a model that runs elsewhere (a
-    # GPU): one thread, so OpenMP workers spinning after each sum do not take the cores the
+    # not the loader's cost. Counting the mask stands in for a model that runs elsewhere (a
+    # GPU): one thread, so OpenMP workers spinning after each count do not take the cores the
     # sidecar, the producers and the other rank share on a small machine.
     torch.set_num_threads(1)
 
@@ -386,6 +393,7 @@ def run_e2e(
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=10)
         if joined is not None:
             joined.stop()
         sidecar.stop(grace=1.0)
@@ -405,7 +413,9 @@ def run_e2e(
 _RAW_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
-def raw_client_main(address: str, sink_payloads: list[bytes], source_sizes: list[int], out):
+def raw_client_main(
+    address: str, sink_payloads: list[bytes], source_sizes: list[int], out: Queue
+) -> None:
     """Stream the payloads in, then the messages out: once to warm up, once timed."""
     import grpc
 
@@ -427,7 +437,7 @@ def raw_client_main(address: str, sink_payloads: list[bytes], source_sizes: list
     out.put((middle - started, ended - middle, received, cpu))
 
 
-def raw_server_main(largest: int, out) -> None:
+def raw_server_main(largest: int, out: Queue) -> None:
     """A trivial gRPC service in a process of its own (generic handlers, bytes in and out,
     no parsing): Sink counts what it is sent, Source sends messages of the sizes asked for.
     Puts its port, then the CPU seconds between the client's last two "start" marks."""
@@ -460,11 +470,13 @@ def raw_server_main(largest: int, out) -> None:
             ),
         )
     )
-    out.put(server.add_insecure_port("127.0.0.1:0"))
+    port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    while len(marks) < 3:
+    out.put(port)
+    deadline = time.monotonic() + 600  # the client's own limit; the parent kills us anyway
+    while len(marks) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    out.put(marks[2] - marks[1])
+    out.put(marks[2] - marks[1] if len(marks) == 3 else float("nan"))
     server.stop(0)
 
 
@@ -507,6 +519,7 @@ def run_raw(
                 process.join(timeout=30)
                 if process.is_alive():
                     process.kill()
+                    process.join(timeout=10)
     return sink_seconds, source_seconds
 
 
@@ -674,6 +687,14 @@ def report(case: Case, e2e: dict, sink_seconds: float, source_seconds: float):
     return raw_seconds / seconds, case.rollouts / seconds
 
 
+def environment_item(text: str) -> tuple[str, str]:
+    """NAME=VALUE (a `--client-env` argument) -> (NAME, VALUE)."""
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", choices=("long", "short", "both"), default="both")
@@ -702,12 +723,13 @@ def main() -> None:
         "--client-env",
         action="append",
         default=[],
+        type=environment_item,
         metavar="NAME=VALUE",
         help="environment of every client process, the raw client's too (e.g. "
         "MALLOC_TOP_PAD_=67108864, see README 'Tuning a deployment'); repeatable",
     )
     args = parser.parse_args()
-    client_env = dict(item.split("=", 1) for item in args.client_env)
+    client_env = dict(args.client_env)
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
         tokens, rollouts, prompts, group, batch, budget = CASES[name]
