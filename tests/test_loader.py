@@ -158,30 +158,6 @@ def test_tensors_have_trainer_dtypes(transport):
     assert isinstance(mb.max_seqlen, int)
 
 
-def test_served_columns_alias_the_arrow_buffers():
-    values = np.arange(1000, dtype=np.int32)
-    table = pa.table(
-        {
-            "input_ids": values,
-            "position_ids": values,
-            "target_ids": values,
-            "loss_mask": np.ones(1000, np.uint8),
-            "sampler_logprobs": np.zeros(1000, np.float32),
-            "advantages": np.zeros(1000, np.float32),
-        }
-    )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    payload = sink.getvalue().to_pybytes()
-    start = pa.py_buffer(payload).address
-    tensors = _column_tensors(payload, 1000)
-    for name in MICROBATCH_COLUMNS:  # every column, none widened
-        pointer = tensors[name].data_ptr()
-        assert start <= pointer < start + len(payload), f"{name} was copied"
-    np.testing.assert_array_equal(tensors["input_ids"].numpy(), values)
-
-
 def _microbatch_payload(columns: dict[str, np.ndarray], batch_rows: int | None = None) -> bytes:
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
@@ -200,6 +176,17 @@ def _served_columns(n: int) -> dict[str, np.ndarray]:
         "sampler_logprobs": np.full(n, -1.0, np.float32),
         "advantages": np.full(n, 0.5, np.float32),
     }
+
+
+def test_served_columns_alias_the_arrow_buffers():
+    columns = _served_columns(1000)
+    payload = _microbatch_payload(columns)
+    start = pa.py_buffer(payload).address
+    tensors = _column_tensors(payload, 1000)
+    for name in MICROBATCH_COLUMNS:  # every column, none widened
+        pointer = tensors[name].data_ptr()
+        assert start <= pointer < start + len(payload), f"{name} was copied"
+    np.testing.assert_array_equal(tensors["input_ids"].numpy(), columns["input_ids"])
 
 
 def test_the_served_layout_is_read_with_one_schema_check(monkeypatch):
@@ -221,15 +208,7 @@ def test_served_columns_are_read_by_name_whatever_their_order():
     """The served schema is read at once; any other layout (reordered, an extra column, a
     wrong type) is read column by column, by name, with the offending column named."""
     n = 10
-    columns = {
-        "advantages": np.full(n, 0.5, np.float32),
-        "extra": np.zeros(n, np.int64),
-        "sampler_logprobs": np.full(n, -1.0, np.float32),
-        "loss_mask": np.ones(n, np.uint8),
-        "target_ids": np.arange(1, n + 1, dtype=np.int32),
-        "position_ids": np.arange(n, dtype=np.int32),
-        "input_ids": np.arange(n, dtype=np.int32),
-    }
+    columns = {"extra": np.zeros(n, np.int64), **dict(reversed(_served_columns(n).items()))}
     tensors = _column_tensors(_microbatch_payload(columns), n)
     assert set(tensors) == set(MICROBATCH_COLUMNS)
     for name in MICROBATCH_COLUMNS:
