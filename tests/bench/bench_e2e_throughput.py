@@ -59,10 +59,10 @@ runs 30-51% (the machine is shared). `--client-env MALLOC_TOP_PAD_=67108864` hal
 producers' CPU and cuts the ranks' page faults (README, "Tuning a deployment"); on the
 ratio, medians of 9 runs 42.1% without and 46.6% with (single runs 34-51% and 34-64%).
 Smaller writer batches cost more actor calls and Python per byte (`--batch-rollouts 16`,
-1.1 MiB: ~30-34%); two batches in flight
-(`--in-flight 2`) did not help (median 39%); `--replicas 2` on 2 cores is slower (~25%):
-the front-ends fetch each other's batches and responses and no core is free for the
-second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.)
+1.1 MiB: ~30-34%); two batches in flight (`--in-flight 2`) did not help (median 39%);
+`--replicas 2` on 2 cores is slower (~25%): the front-ends fetch each other's batches and
+responses and no core is free for the second interpreter. (`--stages` times one step's
+64 rollouts, sent as one batch.)
 """
 
 from __future__ import annotations
@@ -192,6 +192,16 @@ def environment(overrides: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def reap(processes: list[mp.Process], timeout_s: float = 30.0) -> None:
+    """Wait for each process to exit; kill (and wait for) those still running after
+    `timeout_s`."""
+    for process in processes:
+        process.join(timeout=timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
 
 
 def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
@@ -389,11 +399,7 @@ def run_e2e(
             report_cpu(cpu_before, cpu_snapshot(), seconds, roles)
     finally:
         finished.set()
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+        reap(processes)
         if joined is not None:
             joined.stop()
         sidecar.stop(grace=1.0)
@@ -514,12 +520,7 @@ def run_raw(
                 f"= {client_cpu + server_cpu:.2f} s"
             )
     finally:
-        for process in (client, server):
-            if process is not None:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
-                    process.join(timeout=10)
+        reap([process for process in (client, server) if process is not None])
     return sink_seconds, source_seconds
 
 
