@@ -37,11 +37,19 @@ def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def submit_half(
+    channel: grpc.Channel, rollouts, groups: range, half: tuple[int, int], sequence: int
+) -> None:
+    """Rollouts `half` of each 4-rollout group in `groups` to one front-end, all accepted."""
+    rows = [row for row in groups if row % 4 in half]
+    batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
+    assert pb_grpc.RolloutIngestStub(channel).SubmitRolloutBatch(batch, timeout=30).accepted == 4
+
+
 def submit_halves(channels: list[grpc.Channel], rollouts) -> None:
     """Four steps of groups 2s and 2s+1 (GROUPS), each front-end getting half of every
     group; the second half completes the step, so the replica stores the even steps and
     the primary the odd ones."""
-    ingest = [pb_grpc.RolloutIngestStub(channel) for channel in channels]
     pb_grpc.TaskSamplingStub(channels[0]).RegisterTasks(
         pb.RegisterTasksRequest(task_ids=sorted(set(rollouts.task_ids)))
     )
@@ -50,9 +58,7 @@ def submit_halves(channels: list[grpc.Channel], rollouts) -> None:
         first, second = (0, 1) if step % 2 == 0 else (1, 0)
         groups = range(8 * step, 8 * step + 8)
         for front_end, half in ((first, (0, 1)), (second, (2, 3))):
-            rows = [row for row in groups if row % 4 in half]
-            batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
-            assert ingest[front_end].SubmitRolloutBatch(batch, timeout=30).accepted == 4
+            submit_half(channels[front_end], rollouts, groups, half, sequence)
             sequence += 1
 
 
@@ -117,13 +123,8 @@ def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
         step_0 = [fetch(channels[1], 0, rank) for rank in range(2)]
         wait_until(lambda: replica.servicer._newest_stored >= 2, "step 2 not stored")
 
-        def submit(front_end: int, half: tuple[int, int], sequence: int) -> None:
-            rows = [row for row in range(32, 40) if row % 4 in half]  # step 4's groups
-            batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(rows), sequence=sequence)
-            stub = pb_grpc.RolloutIngestStub(channels[front_end])
-            assert stub.SubmitRolloutBatch(batch, timeout=30).accepted == 4
-
-        submit(1, (0, 1), 100)  # only the replica holds these rollouts
+        step_4 = range(32, 40)  # its groups
+        submit_half(channels[1], rollouts, step_4, (0, 1), 100)  # only the replica has these
         moved_out = dict(replica.servicer._moved_out)
         assert bool(moved_out) == (cache_bytes is not None)
         replica.stop(grace=0.5)
@@ -132,7 +133,7 @@ def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
         for step, refs in moved_out.items():
             kind, handle = ray.get(primary.actor.fetch_batch.remote(step, 0))
             assert kind == "ready" and handle[0] != refs[0][0], (step, handle)
-        submit(0, (2, 3), 101)  # completes step 4 at the primary
+        submit_half(channels[0], rollouts, step_4, (2, 3), 101)  # completes it at the primary
         served = [[fetch(channels[0], step, rank) for rank in range(2)] for step in range(5)]
         assert served[0] == step_0
         ids = [rid for step in served for rid in check_served_step(step, rollouts)]
