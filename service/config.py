@@ -59,6 +59,13 @@ class ServerConfig:
         "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
         "scheduler actor: ingest and serving use that many interpreters' worth of cores",
     )
+    retained_free_mib: int = _f(
+        1024,
+        "freed heap memory, MiB, the front-end's process keeps for reuse instead of handing it "
+        "back to the kernel (glibc; buffers up to 32 MiB then come from the heap): the same "
+        "large buffers are allocated every step, and fresh pages cost a fault each; 0 = "
+        "glibc's defaults",
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -70,6 +77,7 @@ class ServerConfig:
         _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
         _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
         _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
+        _require(self.retained_free_mib >= 0, "server", "retained_free_mib", "must be >= 0")
 
 
 @dataclass(kw_only=True, frozen=True)

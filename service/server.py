@@ -61,6 +61,7 @@ from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.sched.assembly import TokenColumns
 from rlfeed.service.actor_link import ActorCalls, IngestGroups
 from rlfeed.service.actors import create_scheduler_actor
+from rlfeed.service.allocator import retain_freed_memory
 from rlfeed.service.codec import (
     RolloutBatchView,
     decode_rollout_batch,
@@ -811,6 +812,8 @@ def start_server(
     With `join`, this is another front-end (replica) of a running sidecar: it finds the
     named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
     does when `[server] replicas` > 1) and leaves the actor running when it stops."""
+    # Process-wide, and before the first step's buffers exist (see service.allocator).
+    retain_freed_memory(config.server.retained_free_mib * 2**20)
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
