@@ -265,6 +265,12 @@ class RolloutWriter:
     # -- sender thread --------------------------------------------------------------------
 
     def _send_loop(self) -> None:
+        # The batch sent last stays allocated until the next one is built, so gRPC's copy
+        # of the next one reuses its memory. Freed right after its send, together with
+        # gRPC's copy, it left twice a batch free at the top of this thread's heap, which
+        # glibc hands back to the kernel: every batch was written to fresh pages (measured
+        # on the 8k-token benchmark: 32.7k page faults per producer, half its CPU; 2k so).
+        sent: list = [None]
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -276,7 +282,8 @@ class RolloutWriter:
                 sequence = self._sequence
                 self._sequence += 1
             try:
-                ack, error = self._submit_with_retry(rows, sequence)
+                sent[0] = request = self._request(rows, sequence)
+                ack, error = self._submit_with_retry(request, rows)
             except Exception as exc:  # surfaced to the producer, never lost in this thread
                 ack, error = None, exc
             with self._cond:
@@ -288,15 +295,19 @@ class RolloutWriter:
                     self._error = error
                 self._cond.notify_all()
 
-    def _submit_with_retry(
-        self, rows: RolloutColumns, sequence: int
-    ) -> tuple[pb.SubmitAck | None, Exception | None]:
+    def _request(self, rows: RolloutColumns, sequence: int) -> bytes | pb.RolloutBatch:
+        """The batch as the transport sends it: serialized where it takes bytes."""
         if self._submit_serialized is not None:
-            request = encode_rollout_batch(rows, sequence)
+            return encode_rollout_batch(rows, sequence)
+        return pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
+
+    def _submit_with_retry(
+        self, request: bytes | pb.RolloutBatch, rows: RolloutColumns
+    ) -> tuple[pb.SubmitAck | None, Exception | None]:
+        if isinstance(request, bytes):
             send = lambda: self._submit_serialized(request)  # noqa: E731
         else:
-            batch = pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
-            send = lambda: self._transport.submit(batch)  # noqa: E731
+            send = lambda: self._transport.submit(request)  # noqa: E731
         backoff = self.retry_backoff_s
         give_up_at = time.monotonic() + self.retry_unavailable_s
         while True:
