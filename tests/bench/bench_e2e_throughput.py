@@ -2,9 +2,9 @@
 
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
-      [--replicas 1] [--stages] [--cpu] [--client-env NAME=VALUE ...]
-Cost: about 25 s on 2 cores (Ray start-up included), both cases, one repeat; each further
-repeat about 10 s per case.
+      [--replicas 1] [--stages] [--cpu] [--cold] [--client-env NAME=VALUE ...]
+Cost: about 30 s on 2 cores (Ray start-up included), both cases, one repeat; each further
+repeat about 10-15 s per case.
 
 What runs, all on loopback in one invocation, per repeat:
 
@@ -13,7 +13,11 @@ What runs, all on loopback in one invocation, per repeat:
    outside the timed region; each keeps `--in-flight` batches in flight, and stays up
    until the window ends, as an inference server would); two trainer-rank
    processes iterate `BatchLoader` over every step and read each microbatch's loss mask (no
-   model). Wall time runs from the start signal to the last rank's last step. With
+   model). Before the start signal, producers and ranks run the same workload once, untimed,
+   under other rollout and group ids (the steps before the timed ones; `--cold` skips it),
+   as the raw baseline's client does: a sidecar serves for hours, and a process's first
+   pass pays for its heap and its allocator's thresholds, which the steady state does not.
+   Wall time runs from the start signal to the last rank's last timed step. With
    `--replicas N`, N-1 more front-ends (`rlfeed serve --join` processes, as `rlfeed serve
    --replicas N` starts them) share the port; each client connection lands on one of them. The ranks
    import torch and set one torch thread before the start signal: a trainer has torch
@@ -27,10 +31,9 @@ What runs, all on loopback in one invocation, per repeat:
    (counted where they are sent, in the sidecar's `on_served` hook, so the ranks' timed
    loop does no measuring; with replicas, whose hooks run in other processes, each step's
    stored size from the actor, split evenly over the ranks). The client does all of it
-   twice and the second pass is timed: both ends are warm, like the sidecar's process but
-   unlike the end-to-end producers and ranks, fresh processes timed on their one pass (a
-   bias against end to end, kept so that the baseline is never the flattered side). Raw
-   time = both transfers, one after the other.
+   twice and the second pass is timed: both ends are warm, as every end-to-end process is
+   (the raw ends are fresh processes per repeat; the sidecar's front-end, in this process,
+   is not). Raw time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -73,7 +76,7 @@ import multiprocessing as mp
 import os
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,6 +123,18 @@ class Case:
         return {"max_batch_rollouts": self.batch_rollouts, "max_batch_bytes": 1 << 62}
 
 
+@dataclass(frozen=True)
+class Options:
+    """How the end-to-end run is set up (the command line's flags)."""
+
+    producers: int = 2
+    in_flight: int = 1  # batches each producer keeps in flight
+    cpu: bool = False  # print CPU seconds per process in the window
+    replicas: int = 1  # front-ends on the sidecar's port
+    client_env: dict[str, str] = field(default_factory=dict)  # every client's environment
+    warm_up: bool = True  # producers and ranks run the workload once untimed first
+
+
 def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
     """This producer's share of complete groups, as RolloutWriter.write keyword dicts."""
     rng = np.random.default_rng(producer)
@@ -142,6 +157,14 @@ def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
                 }
             )
     return rows
+
+
+def warm_up_rows(rows: list[dict]) -> list[dict]:
+    """The same rollouts under other ids (new groups, not duplicates): the untimed pass."""
+    return [
+        {**row, "rollout_id": f"warm-{row['rollout_id']}", "group_id": f"warm-{row['group_id']}"}
+        for row in rows
+    ]
 
 
 def writer_batches(case: Case, rows: list[dict]) -> list[list[dict]]:
@@ -257,23 +280,26 @@ def producer_main(
     case: Case,
     address: str,
     producer: int,
-    producers: int,
-    in_flight: int,
+    options: Options,
     go,
     results,
     finished,
 ) -> None:
     from rlfeed.client.producer import RolloutWriter
 
-    rows = make_rows(case, producer, producers)
+    rows = make_rows(case, producer, options.producers)
     # Room for every row: a full writer buffer would seal a partial batch early, and the
     # raw stream could no longer carry the same batches (`writer_batches`).
     writer = RolloutWriter(
         address,
         **case.writer_limits(),
         max_buffered_rollouts=max(len(rows), 1),
-        max_in_flight=in_flight,
+        max_in_flight=options.in_flight,
     )
+    if options.warm_up:
+        for row in warm_up_rows(rows):
+            writer.write(**row)
+        writer.flush()  # the timed rows then start a batch, as `writer_batches` splits them
     results.put(("ready", producer, None))
     go.wait()
     started = time.perf_counter()
@@ -286,7 +312,7 @@ def producer_main(
     finished.wait(timeout=600)
 
 
-def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
+def trainer_main(case: Case, address: str, rank: int, warm_up: bool, go, results) -> None:
     import torch
     from rlfeed.client.loader import BatchLoader
 
@@ -296,40 +322,44 @@ def trainer_main(case: Case, address: str, rank: int, go, results) -> None:
     # sidecar, the producers and the other rank share on a small machine.
     torch.set_num_threads(1)
 
-    loader = BatchLoader(address, rank, WORLD_SIZE, stop_step=case.steps, timeout_s=300)
+    first_timed = case.steps if warm_up else 0
+    loader = BatchLoader(
+        address, rank, WORLD_SIZE, stop_step=first_timed + case.steps, timeout_s=300
+    )
+    steps = iter(loader)
+    for _ in range(first_timed):  # the warm-up pass: the same work, untimed
+        sum(mb.policy_tokens for mb in next(steps))
     policy_tokens = 0
     results.put(("ready", rank, 0))
     go.wait()
-    for step in loader:
+    for step in steps:
         for mb in step:
             policy_tokens += mb.policy_tokens
     loader.close()
     results.put(("trainer", rank, (time.perf_counter(), policy_tokens)))
 
 
-def run_e2e(
-    case: Case,
-    producers: int,
-    in_flight: int,
-    cpu: bool = False,
-    replicas: int = 1,
-    client_env: dict[str, str] | None = None,
-) -> dict:
+def run_e2e(case: Case, options: Options) -> dict:
     import ray
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.events import ServerEvents
     from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
 
+    first_timed = case.steps if options.warm_up else 0
+    replicas = options.replicas
+
     class ServedSizes(ServerEvents):
-        """Sizes of the GetBatch responses as sent, counted where they are sent, so the
-        trainer ranks' timed loop does no extra work (re-serializing to measure it)."""
+        """Sizes of the timed steps' GetBatch responses as sent, counted where they are
+        sent, so the trainer ranks' timed loop does no extra work (re-serializing to
+        measure it)."""
 
         def __init__(self) -> None:
             self.sizes: list[int] = []
 
         def on_served(self, step: int, rank: int, response: bytes) -> None:
-            self.sizes.append(len(response))
+            if step >= first_timed:
+                self.sizes.append(len(response))
 
     served = ServedSizes()
     config = with_overrides(
@@ -339,7 +369,7 @@ def run_e2e(
         rollouts={
             "prompts_per_step": case.prompts_per_step,
             "group_size": case.group_size,
-            "max_buffered_rollouts": max(case.rollouts, 200_000),
+            "max_buffered_rollouts": max(2 * case.rollouts, 200_000),
         },
     )
     sidecar = start_server(config, events=served)
@@ -353,20 +383,22 @@ def run_e2e(
     processes = [
         ctx.Process(
             target=producer_main,
-            args=(case, sidecar.address, p, producers, in_flight, go, results, finished),
+            args=(case, sidecar.address, p, options, go, results, finished),
         )
-        for p in range(producers)
+        for p in range(options.producers)
     ] + [
-        ctx.Process(target=trainer_main, args=(case, sidecar.address, r, go, results))
+        ctx.Process(
+            target=trainer_main, args=(case, sidecar.address, r, options.warm_up, go, results)
+        )
         for r in range(WORLD_SIZE)
     ]
     try:
-        with environment(client_env or {}):
+        with environment(options.client_env):
             for process in processes:
                 process.start()
         for _ in processes:
             results.get(timeout=300)  # ready
-        cpu_before = cpu_snapshot() if cpu else {}
+        cpu_before = cpu_snapshot() if options.cpu else {}
         started = time.perf_counter()
         go.set()
         ends, policy_tokens, producer_seconds = [], 0, []
@@ -382,17 +414,19 @@ def run_e2e(
             records = []
             for _ in range(600):  # the last steps' store notes may still be on their way
                 records = ray.get(sidecar.actor.step_records.remote(0))
-                if len(records) == case.steps:
+                if len(records) == first_timed + case.steps:
                     break
                 time.sleep(0.05)
             served.sizes = [
                 size
                 for record in records
+                if record.step >= first_timed
                 for size in np.diff(np.linspace(0, record.response_bytes, WORLD_SIZE + 1))
                 .round()
                 .astype(int)
             ]
-        if cpu:
+        if options.cpu:
+            producers = options.producers
             roles = {os.getpid(): "front-end (gRPC server; this process)"}
             roles.update({p.pid: f"producer {i}" for i, p in enumerate(processes[:producers])})
             roles.update({p.pid: f"trainer rank {r}" for r, p in enumerate(processes[producers:])})
@@ -615,21 +649,15 @@ def run_stages(case: Case) -> None:
 # -- report -------------------------------------------------------------------------------
 
 
-def run_case(
-    case: Case,
-    producers: int,
-    in_flight: int,
-    stages: bool,
-    repeats: int,
-    cpu: bool = False,
-    replicas: int = 1,
-    client_env: dict[str, str] | None = None,
-) -> None:
+def run_case(case: Case, options: Options, stages: bool, repeats: int) -> None:
+    producers, replicas = options.producers, options.replicas
     print(
         f"\n== {case.name}: {case.rollouts:,} rollouts x {case.tokens:,} tokens, "
         f"{case.steps} steps of {case.prompts_per_step} x {case.group_size}, "
-        f"{producers} producer(s) with {in_flight} batch(es) in flight, {WORLD_SIZE} trainer ranks"
-        + (f", {replicas} front-ends" if replicas > 1 else ""),
+        f"{producers} producer(s) with {options.in_flight} batch(es) in flight, "
+        f"{WORLD_SIZE} trainer ranks"
+        + (f", {replicas} front-ends" if replicas > 1 else "")
+        + ("" if options.warm_up else ", timed cold (no warm-up pass)"),
         flush=True,
     )
     if stages:
@@ -642,9 +670,11 @@ def run_case(
         if repeats > 1:
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
-        e2e = run_e2e(case, producers, in_flight, cpu, replicas, client_env)
+        e2e = run_e2e(case, options)
         e2e["ingest_bytes"] = sum(map(len, sink_payloads))  # the producers' Arrow payloads
-        sink_seconds, source_seconds = run_raw(sink_payloads, e2e["served_sizes"], cpu, client_env)
+        sink_seconds, source_seconds = run_raw(
+            sink_payloads, e2e["served_sizes"], options.cpu, options.client_env
+        )
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
         rates.append(rate)
@@ -721,6 +751,12 @@ def main() -> None:
         "--replicas", type=int, default=1, help="front-end processes on the sidecar's port"
     )
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="time the end-to-end clients' first pass (no warm-up pass; the raw stream "
+        "still warms up)",
+    )
+    parser.add_argument(
         "--client-env",
         action="append",
         default=[],
@@ -730,7 +766,14 @@ def main() -> None:
         "MALLOC_TOP_PAD_=67108864, see README 'Tuning a deployment'); repeatable",
     )
     args = parser.parse_args()
-    client_env = dict(args.client_env)
+    options = Options(
+        producers=args.producers,
+        in_flight=args.in_flight,
+        cpu=args.cpu,
+        replicas=args.replicas,
+        client_env=dict(args.client_env),
+        warm_up=not args.cold,
+    )
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
         tokens, rollouts, prompts, group, batch, budget = CASES[name]
@@ -738,16 +781,7 @@ def main() -> None:
             per_step = prompts * group
             rollouts = max(per_step, args.rollouts // per_step * per_step)
         case = Case(name, tokens, rollouts, prompts, group, args.batch_rollouts or batch, budget)
-        run_case(
-            case,
-            args.producers,
-            args.in_flight,
-            args.stages,
-            args.repeats,
-            args.cpu,
-            args.replicas,
-            client_env,
-        )
+        run_case(case, options, args.stages, args.repeats)
 
 
 if __name__ == "__main__":
