@@ -1,24 +1,26 @@
-"""Keep freed heap memory in the front-end's process for reuse (glibc malloc only).
+"""Let the front-end's process reuse the memory it frees (glibc malloc only).
 
 A front-end allocates the same large buffers step after step: each ingest batch as gRPC
 hands it over (megabytes), each rank's response, and gRPC's own copies of both. With
 glibc's defaults those buffers rarely land in memory the process already touched: chunks
-above the (dynamic) mmap threshold are mapped and unmapped per allocation, and a heap
-whose free top grows past the trim threshold (twice the mmap threshold, ~10 MiB for 5 MiB
-responses) is handed back to the kernel. Every step's bytes are then faulted in anew, page
-by page (~1.5-2 us per 4 KiB page on the 2-core dev VM: in `perf`, over a third of the
-front-end's CPU in the 8k-token benchmark went to page faults).
+above the (dynamic) mmap threshold are mapped and unmapped per allocation, and once the
+free top of a heap grows past the trim threshold (twice the mmap threshold: ~10 MiB for
+5 MiB responses) the heap is cut back to a small pad. Every step's bytes are then faulted
+in anew, page by page (~1.5-2 us per 4 KiB page on the 2-core dev VM; in the 8k-token
+benchmark the front-end took 20-46k page faults in 0.5 s, 3-16k with this setting).
 
-`retain_freed_memory` serves buffers up to 32 MiB from the heap and keeps up to
-`max_bytes` of freed heap for reuse. It only moves the point at which freed memory goes
-back to the kernel; a busy sidecar reuses that memory within a step or two anyway.
+`retain_freed_memory` serves allocations up to 32 MiB from the heap from the start (this
+also turns glibc's dynamic threshold off) and trims a heap only once more than `max_bytes`
+is free at its top. Free chunks below the top were never returned to the kernel anyway,
+so the resident size can stay at its peak: for a sidecar whose steps come and go at the
+same sizes, that peak is its working set.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import os
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -27,26 +29,35 @@ _M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD = 32 * 2**20
 """glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (half its per-thread heap size)."""
 
+MAX_RETAINED_BYTES = 2**31 - 1
+"""mallopt takes a C int."""
+
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """The C library if it is glibc (it alone has gnu_get_libc_version), else None."""
-    name = ctypes.util.find_library("c")
+    """This process's C library if it is glibc, else None (musl, macOS, Windows)."""
     try:
-        libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # noqa: B018 (an AttributeError names a non-glibc libc)
-    except (OSError, AttributeError, TypeError):
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        libc = ctypes.CDLL(None)  # the symbols already loaded: glibc's malloc
+    except (ValueError, OSError, AttributeError):
         return None
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    libc.mallopt.restype = ctypes.c_int
     return libc
 
 
 def retain_freed_memory(max_bytes: int) -> bool:
-    """Serve allocations up to 32 MiB from the heap and hand freed heap memory back to the
-    kernel only beyond `max_bytes` (process-wide; once per process is enough). True if
-    applied: False without glibc, or for max_bytes <= 0 (the defaults are left alone)."""
+    """Serve allocations up to 32 MiB from the heap and trim a heap only once more than
+    `max_bytes` (at most 2 GiB - 1) is free at its top. Process-wide, and it stays set.
+    True if glibc took both settings (also under a malloc preloaded over glibc's, which
+    they do not reach); False without glibc, or for max_bytes <= 0, which leaves the
+    allocator alone."""
     libc = _glibc()
     if libc is None or max_bytes <= 0:
         return False
+    if max_bytes > MAX_RETAINED_BYTES:
+        raise ValueError(f"max_bytes must be at most {MAX_RETAINED_BYTES}, got {max_bytes}")
     mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD)
-    trim_set = libc.mallopt(_M_TRIM_THRESHOLD, min(max_bytes, 2**31 - 1))
+    trim_set = libc.mallopt(_M_TRIM_THRESHOLD, max_bytes)
     return bool(mmap_set and trim_set)

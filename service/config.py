@@ -61,10 +61,10 @@ class ServerConfig:
     )
     retained_free_mib: int = _f(
         1024,
-        "freed heap memory, MiB, the front-end's process keeps for reuse instead of handing it "
-        "back to the kernel (glibc; buffers up to 32 MiB then come from the heap): the same "
-        "large buffers are allocated every step, and fresh pages cost a fault each; 0 = "
-        "glibc's defaults",
+        "MiB of free memory a heap of the front-end's process may hold at its top before "
+        "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
+        "from the heap): the same large buffers are allocated every step, and each fresh "
+        "page costs a fault; at most 2047; 0 = glibc's defaults",
     )
 
     def __post_init__(self) -> None:
@@ -77,7 +77,12 @@ class ServerConfig:
         _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
         _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
         _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
-        _require(self.retained_free_mib >= 0, "server", "retained_free_mib", "must be >= 0")
+        _require(
+            0 <= self.retained_free_mib <= 2047,
+            "server",
+            "retained_free_mib",
+            "must be in [0, 2047]",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

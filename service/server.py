@@ -811,9 +811,14 @@ def start_server(
 
     With `join`, this is another front-end (replica) of a running sidecar: it finds the
     named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
-    does when `[server] replicas` > 1) and leaves the actor running when it stops."""
+    does when `[server] replicas` > 1) and leaves the actor running when it stops.
+
+    `[server] retained_free_mib` sets glibc's malloc thresholds for this whole process
+    (service.allocator), whatever else it runs."""
     # Process-wide, and before the first step's buffers exist (see service.allocator).
-    retain_freed_memory(config.server.retained_free_mib * 2**20)
+    retained = config.server.retained_free_mib
+    if retained and not retain_freed_memory(retained * 2**20):
+        _log.info("rlfeed: [server] retained_free_mib not applied (the C library is not glibc)")
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor

@@ -7,6 +7,7 @@ is the front-end's: responses of 4-6 MiB, a few alive at a time, released as ran
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -46,29 +47,40 @@ _RESPONSES = textwrap.dedent(
 
 
 def _serve_rounds(retained_bytes: int) -> dict:
-    """Allocate and free the same 16 responses four times over in a fresh interpreter:
-    whether the setting applied, and the page faults of each round."""
+    """Allocate and free the same 16 responses four times over in a fresh interpreter with
+    glibc's default malloc settings: whether the setting applied, and the page faults of
+    each round."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"
+    }
     result = subprocess.run(
         [sys.executable, "-c", _RESPONSES, str(retained_bytes)],
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
+        env=env,
     )
+    assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 @pytest.mark.skipif(_glibc() is None, reason="the setting is glibc's")
 def test_retained_memory_serves_the_next_rounds_buffers_without_new_pages():
     default = _serve_rounds(0)
+    if default["faults"][-1] <= 2000:
+        # Huge pages on every allocation (THP "always"), or a glibc that keeps these
+        # buffers by default: nothing for the setting to fix here.
+        pytest.skip(f"glibc's defaults reuse these buffers here: {default['faults']}")
     retained = _serve_rounds(256 * 2**20)
     assert not default["applied"] and retained["applied"]
-    # With glibc's defaults the same buffers keep landing on fresh pages (the pattern
-    # would prove nothing otherwise): thousands of faults in the last round too.
-    assert default["faults"][-1] > 2000
     # Retained, the last round reuses what the earlier ones freed.
-    assert retained["faults"][-1] < default["faults"][-1] / 10
+    assert retained["faults"][-1] < default["faults"][-1] / 10, (default, retained)
 
 
-def test_zero_leaves_the_allocator_alone():
+def test_zero_is_not_applied_and_more_than_a_c_int_is_refused():
     assert retain_freed_memory(0) is False
+    if _glibc() is not None:
+        with pytest.raises(ValueError, match="max_bytes must be at most"):
+            retain_freed_memory(2**31)

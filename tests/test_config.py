@@ -68,7 +68,8 @@ def test_toml_file_overrides_only_what_it_names(tmp_path: Path) -> None:
         ({"curriculum": {"estimator": "median"}}, r"\[curriculum\] estimator must be one of"),
         ({"accounting": {"gpu": "tpu"}}, r"\[accounting\] gpu: one of"),
         ({"server": 3}, r"\[server\] must be a table"),
-        ({"server": {"retained_free_mib": -1}}, r"\[server\] retained_free_mib: must be >= 0"),
+        ({"server": {"retained_free_mib": -1}}, r"\[server\] retained_free_mib: must be in"),
+        ({"server": {"retained_free_mib": 2048}}, r"\[server\] retained_free_mib: must be in"),
     ],
 )
 def test_bad_config_names_the_key_and_section(values: dict, message: str) -> None:

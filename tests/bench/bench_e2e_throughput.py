@@ -32,8 +32,9 @@ What runs, all on loopback in one invocation, per repeat:
    loop does no measuring; with replicas, whose hooks run in other processes, each step's
    stored size from the actor, split evenly over the ranks). The client does all of it
    twice and the second pass is timed: both ends are warm, as every end-to-end process is
-   (the raw ends are fresh processes per repeat; the sidecar's front-end, in this process,
-   is not). Raw time = both transfers, one after the other.
+   unless `--cold`. The server's malloc settings are the sidecar front-end's own (see
+   `service.allocator`); the client's environment is the end-to-end clients' (`--client-env`).
+   Raw time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -51,21 +52,21 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
-batches of 114 rollouts): the raw stream takes ~0.31-0.44 s and ~0.45-0.7 CPU-s (both
-ends; it already fills both cores). End to end takes ~0.8-1.2 s and ~1.5-2.0 CPU-s:
-front-end 0.62-0.9 (gRPC receive + send about as the raw server; its assembler thread
-~0.27, materializing the steps; 65-110k minor page faults, each ~1.5-2 us in this VM: the
-ingest batches and responses it holds for ranks that are behind), ranks 2 x ~0.2-0.3,
-producers 2 x ~0.15, scheduler actor ~0.1, Ray's daemons < 0.05. Both cores stay ~90%
-busy, so the ratio is about raw CPU / end-to-end CPU: medians of 3-5 runs 35-47%, single
-runs 30-51% (the machine is shared). `--client-env MALLOC_TOP_PAD_=67108864` halves the
-producers' CPU and cuts the ranks' page faults (README, "Tuning a deployment"); on the
-ratio, medians of 9 runs 42.1% without and 46.6% with (single runs 34-51% and 34-64%).
-Smaller writer batches cost more actor calls and Python per byte (`--batch-rollouts 16`,
-1.1 MiB: ~30-34%); two batches in flight (`--in-flight 2`) did not help (median 39%);
-`--replicas 2` on 2 cores is slower (~25%): the front-ends fetch each other's batches and
-responses and no core is free for the second interpreter. (`--stages` times one step's
-64 rollouts, sent as one batch.)
+batches of 114 rollouts, every process warm): the raw stream takes ~0.2-0.3 s and
+~0.35-0.5 CPU-s (both ends; it already fills both cores). End to end takes ~0.5-0.8 s and
+~0.9-1.3 CPU-s: front-end 0.45-0.65 (gRPC receive + send about as the raw server; its
+assembler thread ~0.15, materializing the steps; 3-16k minor page faults), ranks 2 x
+~0.15-0.25 (2-28k page faults each), scheduler actor ~0.1, producers 2 x ~0.05, Ray's
+daemons < 0.05. Both cores stay busy, so the ratio is about raw CPU / end-to-end CPU:
+medians of 7-9 runs 40-48%, single runs 35-71% (the machine is shared). With the ranks'
+allocator set as the front-end sets its own (`--client-env MALLOC_TRIM_THRESHOLD_=1073741824
+--client-env MALLOC_MMAP_THRESHOLD_=33554432`, README "Tuning a deployment"), their page
+faults fall under 4k and the median of 7 runs was 50.9% (44-60%). `--cold` (clients timed
+on their first pass): median of 5 runs 32.7%. Smaller writer batches cost more actor calls
+and Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%, cold); two batches in flight
+(`--in-flight 2`) did not help (median 39%, cold); `--replicas 2` on 2 cores is slower
+(~25%, cold): the front-ends fetch each other's batches and responses and no core is free
+for the second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.)
 """
 
 from __future__ import annotations
@@ -413,14 +414,13 @@ def run_e2e(case: Case, options: Options) -> dict:
         if replicas > 1:  # the other front-ends' hooks ran elsewhere: sizes from the actor
             records = []
             for _ in range(600):  # the last steps' store notes may still be on their way
-                records = ray.get(sidecar.actor.step_records.remote(0))
-                if len(records) == first_timed + case.steps:
+                records = ray.get(sidecar.actor.step_records.remote(first_timed))
+                if len(records) == case.steps:
                     break
                 time.sleep(0.05)
             served.sizes = [
                 size
                 for record in records
-                if record.step >= first_timed
                 for size in np.diff(np.linspace(0, record.response_bytes, WORLD_SIZE + 1))
                 .round()
                 .astype(int)
@@ -480,8 +480,13 @@ def raw_client_main(
 def raw_server_main(largest: int, out: Queue) -> None:
     """A trivial gRPC service in a process of its own (generic handlers, bytes in and out,
     no parsing): Sink counts what it is sent, Source sends messages of the sizes asked for.
-    Puts its port, then the CPU seconds between the client's last two "start" marks."""
+    Puts its port, then the CPU seconds between the client's last two "start" marks. Its
+    allocator is set as the sidecar's front-end sets its own (`[server] retained_free_mib`)."""
     import grpc
+    from rlfeed.service.allocator import retain_freed_memory
+    from rlfeed.service.config import ServerConfig
+
+    retain_freed_memory(ServerConfig().retained_free_mib * 2**20)
 
     blob = os.urandom(largest)
     marks: list[float] = []
@@ -531,7 +536,8 @@ def run_raw(
     seconds both ends used in it (the floor e2e is compared to).
 
     Both ends are fresh processes of their own, so the baseline owes nothing to the state
-    of the sidecar's process (its heap, its threads, its allocator settings)."""
+    of the sidecar's process (its heap, its threads); the server takes the front-end's
+    allocator settings (`raw_server_main`)."""
     ctx = mp.get_context("spawn")
     server_out, client_out = ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=raw_server_main, args=(max(source_sizes), server_out))
@@ -763,7 +769,7 @@ def main() -> None:
         type=environment_item,
         metavar="NAME=VALUE",
         help="environment of every client process, the raw client's too (e.g. "
-        "MALLOC_TOP_PAD_=67108864, see README 'Tuning a deployment'); repeatable",
+        "MALLOC_TRIM_THRESHOLD_=1073741824, see README 'Tuning a deployment'); repeatable",
     )
     args = parser.parse_args()
     options = Options(
