@@ -135,6 +135,10 @@ class Options:
     client_env: dict[str, str] = field(default_factory=dict)  # every client's environment
     warm_up: bool = True  # producers and ranks run the workload once untimed first
 
+    def first_timed_step(self, case: Case) -> int:
+        """The first step in the timed window: the warm-up pass has the steps before it."""
+        return case.steps if self.warm_up else 0
+
 
 def make_rows(case: Case, producer: int, producers: int) -> list[dict]:
     """This producer's share of complete groups, as RolloutWriter.write keyword dicts."""
@@ -313,7 +317,7 @@ def producer_main(
     finished.wait(timeout=600)
 
 
-def trainer_main(case: Case, address: str, rank: int, warm_up: bool, go, results) -> None:
+def trainer_main(case: Case, address: str, rank: int, options: Options, go, results) -> None:
     import torch
     from rlfeed.client.loader import BatchLoader
 
@@ -323,7 +327,7 @@ def trainer_main(case: Case, address: str, rank: int, warm_up: bool, go, results
     # sidecar, the producers and the other rank share on a small machine.
     torch.set_num_threads(1)
 
-    first_timed = case.steps if warm_up else 0
+    first_timed = options.first_timed_step(case)
     loader = BatchLoader(
         address, rank, WORLD_SIZE, stop_step=first_timed + case.steps, timeout_s=300
     )
@@ -347,7 +351,7 @@ def run_e2e(case: Case, options: Options) -> dict:
     from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server
 
-    first_timed = case.steps if options.warm_up else 0
+    first_timed = options.first_timed_step(case)
     replicas = options.replicas
 
     class ServedSizes(ServerEvents):
@@ -388,9 +392,7 @@ def run_e2e(case: Case, options: Options) -> dict:
         )
         for p in range(options.producers)
     ] + [
-        ctx.Process(
-            target=trainer_main, args=(case, sidecar.address, r, options.warm_up, go, results)
-        )
+        ctx.Process(target=trainer_main, args=(case, sidecar.address, r, options, go, results))
         for r in range(WORLD_SIZE)
     ]
     try:
