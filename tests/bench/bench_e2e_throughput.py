@@ -294,11 +294,13 @@ def producer_main(
 
     rows = make_rows(case, producer, options.producers)
     # Room for every row: a full writer buffer would seal a partial batch early, and the
-    # raw stream could no longer carry the same batches (`writer_batches`).
+    # raw stream could no longer carry the same batches (`writer_batches`). The writer
+    # requires room for at least one full batch too (fewer rows than that: `--rollouts`).
+    limits = case.writer_limits()
     writer = RolloutWriter(
         address,
-        **case.writer_limits(),
-        max_buffered_rollouts=max(len(rows), 1),
+        **limits,
+        max_buffered_rollouts=max(len(rows), limits["max_batch_rollouts"]),
         max_in_flight=options.in_flight,
     )
     if options.warm_up:
