@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfeed.service.allocator import MAX_RETAINED_BYTES
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+
+_MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits mallopt's int
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -64,7 +69,7 @@ class ServerConfig:
         "MiB of free memory a heap of the front-end's process may hold at its top before "
         "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
         "from the heap): the same large buffers are allocated every step, and each fresh "
-        "page costs a fault; at most 2047; 0 = glibc's defaults",
+        f"page costs a fault; at most {_MAX_RETAINED_MIB}; 0 = glibc's defaults",
     )
 
     def __post_init__(self) -> None:
@@ -78,10 +83,10 @@ class ServerConfig:
         _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
         _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
         _require(
-            0 <= self.retained_free_mib <= 2047,
+            0 <= self.retained_free_mib <= _MAX_RETAINED_MIB,
             "server",
             "retained_free_mib",
-            "must be in [0, 2047]",
+            f"must be in [0, {_MAX_RETAINED_MIB}]",
         )
 
 
