@@ -267,7 +267,6 @@ class RolloutWriter:
     # -- sender thread --------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        request = None
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

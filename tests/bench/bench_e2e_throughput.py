@@ -52,14 +52,14 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
-batches of 114 rollouts, every process warm): the raw stream takes ~0.2-0.3 s and
-~0.35-0.5 CPU-s (both ends; it already fills both cores). End to end takes ~0.5-0.8 s and
-~0.9-1.3 CPU-s: front-end 0.45-0.65 (gRPC receive + send about as the raw server; its
-assembler thread ~0.15, materializing the steps; 3-16k minor page faults), ranks 2 x
-~0.15-0.25 (2-28k page faults each), scheduler actor ~0.1, producers 2 x ~0.05, Ray's
-daemons < 0.05. Both cores stay busy, so the ratio is about raw CPU / end-to-end CPU:
-medians of 7 and 9 runs 40.1% and 44.1%, single runs 35-71% (the machine is shared). With the ranks'
-allocator set as the front-end sets its own (`--client-env MALLOC_TRIM_THRESHOLD_=1073741824
+batches of 114 rollouts, every process warm): the raw stream takes ~0.2-0.3 s and ~0.35-0.5
+CPU-s (both ends; it already fills both cores). End to end takes ~0.5-0.8 s and ~0.9-1.3
+CPU-s: front-end 0.45-0.65 (gRPC receive + send about as the raw server; its assembler
+thread ~0.15, materializing the steps; 3-16k minor page faults), ranks 2 x ~0.15-0.25
+(2-28k page faults each), scheduler actor ~0.1, producers 2 x ~0.05, Ray's daemons < 0.05.
+Both cores stay busy, so the ratio is about raw CPU / end-to-end CPU: medians of 7 and 9
+runs 40.1% and 44.1%, single runs 35-71% (the machine is shared). With the ranks' allocator
+set as the front-end sets its own (`--client-env MALLOC_TRIM_THRESHOLD_=1073741824
 --client-env MALLOC_MMAP_THRESHOLD_=33554432`, README "Tuning a deployment"), their page
 faults fall under 4k and the median of 7 runs was 50.9% (44-60%). `--cold` (clients timed
 on their first pass): median of 5 runs 32.7%. Smaller writer batches cost more actor calls
