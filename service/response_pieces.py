@@ -7,21 +7,19 @@ one `b"".join` per rank (`codec.join_rank_response`) is the only copy of the tok
 and the only write to fresh memory.
 
 The Arrow IPC framing (schema message, record-batch metadata, padding, end-of-stream) of a
-record batch of T rows without nulls depends on T and the schema only, never on the values.
-So the writer runs on placeholder arrays of T rows and the column pieces replace the
-placeholder body buffers it hands over; the padding after each buffer is the writer's own.
-If the writer ever stops handing the body buffers over one per column, at the placeholder
-sizes, the microbatch is encoded the straightforward way instead (same bytes, slower).
+record batch of T rows without nulls depends on T and the schema only, never on the values:
+`service.ipc_framing` writes it around the column pieces. Where it cannot (a pyarrow whose
+writer lays the messages out differently), the microbatch is encoded the straightforward
+way instead (same bytes, slower).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
-from rlfeed.client.arrow_codec import ipc_stream_pieces, swap_placeholder_bodies
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
 from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
@@ -33,9 +31,7 @@ from rlfeed.sched.gather import (
     microbatch_pieces,
 )
 from rlfeed.service.codec import encode_microbatch_parts, microbatch_parts
-
-# Pieces come in COLUMN_DTYPES order, which is MICROBATCH_SCHEMA's (a test checks).
-_WIDTHS = [field.type.byte_width for field in MICROBATCH_SCHEMA]
+from rlfeed.service.ipc_framing import FixedWidthFraming
 
 _per_thread = threading.local()
 
@@ -48,39 +44,25 @@ def thread_scratch() -> TokenScratch:
     return scratch
 
 
-def _placeholder(num_tokens: int) -> tuple[pa.RecordBatch, dict[int, pa.Buffer]]:
-    """A MICROBATCH_SCHEMA batch of num_tokens rows whose values are never read, and its
-    buffers by byte width. They must be exactly num_tokens values long: for a longer buffer
-    (a sliced batch) the writer sends the buffer's own bytes as padding, and says so in the
-    metadata."""
-    # One uninitialized buffer per width, shared by its columns: nothing reads them, and
-    # slicing one buffer six ways costs more than allocating two.
-    memory = {width: pa.allocate_buffer(num_tokens * width) for width in set(_WIDTHS)}
-    batch = pa.RecordBatch.from_arrays(
-        [
-            pa.Array.from_buffers(field.type, num_tokens, [None, memory[width]])
-            for field, width in zip(MICROBATCH_SCHEMA, _WIDTHS, strict=True)
-        ],
-        schema=MICROBATCH_SCHEMA,
-    )
-    return batch, memory
+@functools.cache
+def _microbatch_framing() -> FixedWidthFraming | None:
+    """Derived from pyarrow's writer once per process, at the first microbatch served."""
+    return FixedWidthFraming.derive(MICROBATCH_SCHEMA)
 
 
 def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list, int] | None:
     """(the Arrow IPC stream of one MICROBATCH_SCHEMA record batch whose columns are the
-    concatenated `columns` pieces, as buffers to join; its size), or None when the writer
-    does not hand over the body buffers one per column (then encode another way).
+    concatenated `columns` pieces, as buffers to join; its size), or None where pyarrow's
+    writer lays its messages out in a way `FixedWidthFraming` does not know (then encode
+    another way).
 
     `columns`: name -> pieces of num_tokens values each in total (MICROBATCH_SCHEMA order);
     num_tokens >= 1.
     """
-    batch, memory = _placeholder(num_tokens)
-    framing, stream_size = ipc_stream_pieces(batch)
-    swaps: dict[int, list[tuple[int, list]]] = {}
-    for name, width in zip(MICROBATCH_SCHEMA.names, _WIDTHS, strict=True):
-        swaps.setdefault(memory[width].address, []).append((num_tokens * width, columns[name]))
-    out = swap_placeholder_bodies(framing, swaps)
-    return None if out is None else (out, stream_size)
+    framing = _microbatch_framing()
+    if framing is None:
+        return None
+    return framing.pieces(num_tokens, [columns[name] for name in MICROBATCH_SCHEMA.names])
 
 
 def encode_spans(
@@ -95,7 +77,7 @@ def encode_spans(
     columns = microbatch_pieces(sources, spans, scratch)
     num_tokens = spans.num_tokens
     stream = arrow_stream_pieces(columns, num_tokens) if num_tokens else None
-    if stream is None:  # empty (no-op) microbatch, or a writer that copies its body
+    if stream is None:  # empty (no-op) microbatch, or a writer ipc_framing does not know
         parts = encode_microbatch_parts(_joined(columns, spans), rollout_ids)
         return parts, sum(memoryview(part).nbytes for part in parts)
     policy_tokens = sum(_mask_sum(piece) for piece in columns["loss_mask"])
