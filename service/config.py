@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfeed.service.allocator import MAX_RETAINED_BYTES
+from rlfeed.client.allocator import MAX_RETAINED_BYTES
 
 try:
     import tomllib
@@ -68,8 +68,9 @@ class ServerConfig:
         1024,
         "MiB of free memory a heap of the front-end's process may hold at its top before "
         "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
-        "from the heap): the same large buffers are allocated every step, and each fresh "
-        f"page costs a fault; at most {_MAX_RETAINED_MIB}; 0 = glibc's defaults",
+        "from the heap, and all threads share one heap): the same large buffers are "
+        "allocated every step, and each fresh page costs a fault; at most "
+        f"{_MAX_RETAINED_MIB}; 0 = glibc's defaults",
     )
 
     def __post_init__(self) -> None:

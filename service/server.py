@@ -56,12 +56,12 @@ import grpc
 import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from rlfeed.client.allocator import retain_freed_memory
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.sched.assembly import TokenColumns
 from rlfeed.service.actor_link import ActorCalls, IngestGroups
 from rlfeed.service.actors import create_scheduler_actor
-from rlfeed.service.allocator import retain_freed_memory
 from rlfeed.service.codec import (
     RolloutBatchView,
     decode_rollout_batch,
@@ -813,11 +813,11 @@ def start_server(
     named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
     does when `[server] replicas` > 1) and leaves the actor running when it stops.
 
-    `[server] retained_free_mib` sets glibc's malloc thresholds for this whole process
-    (service.allocator), whatever else it runs."""
-    # Process-wide, and before the first step's buffers exist (see service.allocator).
+    `[server] retained_free_mib` sets glibc's malloc for this whole process, whatever
+    else it runs (client.allocator, with one heap for all threads: that part only if no
+    thread has needed a heap of its own yet, which `rlfeed serve` sees to)."""
     retained = config.server.retained_free_mib
-    if retained and not retain_freed_memory(retained * 2**20):
+    if retained and not retain_freed_memory(retained * 2**20, single_arena=True):
         _log.info("rlfeed: [server] retained_free_mib not applied (the C library is not glibc)")
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = None

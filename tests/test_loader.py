@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 import torch
 from rlfeed.client import arrow_codec
+from rlfeed.client import loader as loader_module
 from rlfeed.client.arrow_codec import MICROBATCH_COLUMNS, _column_tensors
 from rlfeed.client.loader import BatchLoader
 from rlfeed.client.producer import RolloutWriter
@@ -290,6 +291,25 @@ def test_prefetch_starts_at_iteration_and_stops_at_close(transport):
     assert _fetched_steps(transport, rank=0) == {0, 1}
     loader.close()
     assert len(_prefetch_threads()) == before
+
+
+def test_the_allocator_setting_is_applied_at_the_first_fetch_once(transport, monkeypatch):
+    produce(transport, steps=2)
+    applied = []
+    monkeypatch.setattr(loader_module, "retain_freed_memory", applied.append)
+    loader = BatchLoader(transport, rank=0, world_size=WORLD_SIZE, prefetch=0, stop_step=2)
+    assert applied == []  # nothing changes in the process at construction
+    assert [step.step for step in loader] == [0, 1]
+    assert applied == [loader_module.DEFAULT_RETAINED_FREE_MIB << 20]
+    untouched = BatchLoader(transport, rank=0, world_size=WORLD_SIZE, retained_free_mib=0)
+    untouched.fetch(0)
+    assert len(applied) == 1
+
+
+@pytest.mark.parametrize("retained_free_mib", [-1, 2048])
+def test_retained_memory_outside_what_malloc_takes_is_refused(transport, retained_free_mib):
+    with pytest.raises(ValueError, match="retained_free_mib must be in"):
+        BatchLoader(transport, rank=0, world_size=WORLD_SIZE, retained_free_mib=retained_free_mib)
 
 
 def _fetched_steps(transport: InProcessTransport, rank: int) -> set[int]:

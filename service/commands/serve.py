@@ -108,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(dump_config(config, args.print_config), flush=True)
 
+    from rlfeed.client.allocator import retain_freed_memory
+
+    # Before numpy, Ray or gRPC start threads (glibc fixes its heaps then); start_server
+    # applies it again, and says so if it cannot.
+    retain_freed_memory(config.server.retained_free_mib * 2**20, single_arena=True)
+
     from rlfeed.service.metrics_events import SidecarExporter
     from rlfeed.service.replicas import start_replicas
     from rlfeed.service.server import start_server

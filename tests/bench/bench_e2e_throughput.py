@@ -33,7 +33,7 @@ What runs, all on loopback in one invocation, per repeat:
    stored size from the actor, split evenly over the ranks). The client does all of it
    twice and the second pass is timed: both ends are warm, as every end-to-end process is
    unless `--cold`. The server's malloc settings are the sidecar front-end's own (see
-   `service.allocator`); the client's environment is the end-to-end clients' (`--client-env`).
+   `client.allocator`); the client's environment is the end-to-end clients' (`--client-env`).
    Raw time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
@@ -460,8 +460,13 @@ _RAW_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message
 def raw_client_main(
     address: str, sink_payloads: list[bytes], source_sizes: list[int], out: Queue
 ) -> None:
-    """Stream the payloads in, then the messages out: once to warm up, once timed."""
+    """Stream the payloads in, then the messages out: once to warm up, once timed. Its
+    allocator is set as `BatchLoader` sets a trainer rank's (`retained_free_mib`)."""
     import grpc
+    from rlfeed.client.allocator import retain_freed_memory
+    from rlfeed.client.loader import DEFAULT_RETAINED_FREE_MIB
+
+    retain_freed_memory(DEFAULT_RETAINED_FREE_MIB * 2**20)
 
     channel = grpc.insecure_channel(address, options=_RAW_OPTIONS)
     sink = channel.stream_unary("/raw.Raw/Sink")
@@ -487,10 +492,10 @@ def raw_server_main(largest: int, out: Queue) -> None:
     Puts its port, then the CPU seconds between the client's last two "start" marks. Its
     allocator is set as the sidecar's front-end sets its own (`[server] retained_free_mib`)."""
     import grpc
-    from rlfeed.service.allocator import retain_freed_memory
+    from rlfeed.client.allocator import retain_freed_memory
     from rlfeed.service.config import ServerConfig
 
-    retain_freed_memory(ServerConfig().retained_free_mib * 2**20)
+    retain_freed_memory(ServerConfig().retained_free_mib * 2**20, single_arena=True)
 
     blob = os.urandom(largest)
     marks: list[float] = []
@@ -541,7 +546,7 @@ def run_raw(
 
     Both ends are fresh processes of their own, so the baseline owes nothing to the state
     of the sidecar's process (its heap, its threads); the server takes the front-end's
-    allocator settings (`raw_server_main`)."""
+    allocator settings and the client a rank's (`raw_server_main`, `raw_client_main`)."""
     ctx = mp.get_context("spawn")
     server_out, client_out = ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=raw_server_main, args=(max(source_sizes), server_out))
