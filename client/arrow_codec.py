@@ -15,6 +15,7 @@ spirit: write into a `.clone()`, not into them.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+from rlfeed.client.ipc_framing import FixedWidthFraming
 from rlfeed.client.wire import encode_varint, length_delimited, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
@@ -282,6 +284,14 @@ class MicrobatchTensors:
 
 
 MICROBATCH_COLUMNS = {field.name: field.type for field in MICROBATCH_SCHEMA}
+_MICROBATCH_DTYPES = [np.dtype(field.type.to_pandas_dtype()) for field in MICROBATCH_SCHEMA]
+
+
+@functools.cache
+def microbatch_framing() -> FixedWidthFraming | None:
+    """How a served microbatch's Arrow stream is framed (`client.ipc_framing`), derived from
+    pyarrow's writer once per process, at first use; None where it lays it out otherwise."""
+    return FixedWidthFraming.derive(MICROBATCH_SCHEMA)
 
 
 def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str, torch.Tensor]:
@@ -293,19 +303,29 @@ def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str,
             name: torch.from_numpy(np.zeros(0, dtype=dtype.to_pandas_dtype()))
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
+    framing = microbatch_framing() if num_tokens > 0 else None
+    framed = framing.columns(arrow_ipc, num_tokens, _MICROBATCH_DTYPES) if framing else None
+    if framed is not None:  # what rlfeed serves, read at the offsets its framing gives
+        return _tensors(dict(zip(MICROBATCH_SCHEMA.names, framed, strict=True)))
     table = pa.ipc.open_stream(pa.py_buffer(arrow_ipc)).read_all()
     if (
         table.schema.equals(MICROBATCH_SCHEMA)
         and table.num_rows == num_tokens
         and all(column.num_chunks == 1 for column in table.columns)
-    ):  # what rlfeed serves: one schema comparison instead of a name, type and length check
-        # per column, which together cost more than the zero-copy reads
+    ):  # the served layout, framed by another writer: one schema comparison instead of a
+        # name, type and length check per column, which together cost more than the reads
         arrays = {
             name: column.chunk(0).to_numpy(zero_copy_only=True)
             for name, column in zip(MICROBATCH_SCHEMA.names, table.columns, strict=True)
         }
     else:
         arrays = _checked_columns(table, num_tokens)
+    return _tensors(arrays)
+
+
+def _tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    import torch
+
     with warnings.catch_warnings():
         # The arrays view immutable message bytes; torch warns about that on every call.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -8,18 +8,18 @@ and the only write to fresh memory.
 
 The Arrow IPC framing (schema message, record-batch metadata, padding, end-of-stream) of a
 record batch of T rows without nulls depends on T and the schema only, never on the values:
-`service.ipc_framing` writes it around the column pieces. Where it cannot (a pyarrow whose
+`client.ipc_framing` writes it around the column pieces. Where it cannot (a pyarrow whose
 writer lays the messages out differently), the microbatch is encoded the straightforward
 way instead (same bytes, slower).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 
 import numpy as np
+from rlfeed.client.arrow_codec import microbatch_framing
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
 from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
@@ -31,7 +31,6 @@ from rlfeed.sched.gather import (
     microbatch_pieces,
 )
 from rlfeed.service.codec import encode_microbatch_parts, microbatch_parts
-from rlfeed.service.ipc_framing import FixedWidthFraming
 
 _per_thread = threading.local()
 
@@ -44,22 +43,16 @@ def thread_scratch() -> TokenScratch:
     return scratch
 
 
-@functools.cache
-def _microbatch_framing() -> FixedWidthFraming | None:
-    """Derived from pyarrow's writer once per process, at the first microbatch served."""
-    return FixedWidthFraming.derive(MICROBATCH_SCHEMA)
-
-
 def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list, int] | None:
     """(the Arrow IPC stream of one MICROBATCH_SCHEMA record batch whose columns are the
     concatenated `columns` pieces, as buffers to join; its size), or None where pyarrow's
-    writer lays its messages out in a way `FixedWidthFraming` does not know (then encode
+    writer lays its messages out in a way `client.ipc_framing` does not know (then encode
     another way).
 
     `columns`: name -> pieces of num_tokens values each in total (MICROBATCH_SCHEMA order);
     num_tokens >= 1.
     """
-    framing = _microbatch_framing()
+    framing = microbatch_framing()
     if framing is None:
         return None
     return framing.pieces(num_tokens, [columns[name] for name in MICROBATCH_SCHEMA.names])

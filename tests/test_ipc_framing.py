@@ -1,4 +1,5 @@
-"""The Arrow IPC framing written around column pieces equals pyarrow's writer, byte for byte.
+"""The Arrow IPC framing written around column pieces equals pyarrow's writer, byte for byte,
+and reads the writer's streams back.
 
 `FixedWidthFraming` copies the writer's header once and rewrites the integers that depend
 on the row count; the reference is the writer's stream of the same values.
@@ -11,9 +12,9 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rlfeed.client import ipc_framing
+from rlfeed.client.ipc_framing import FixedWidthFraming
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
-from rlfeed.service import ipc_framing
-from rlfeed.service.ipc_framing import FixedWidthFraming
 
 
 def writer_stream(schema: pa.Schema, arrays: list[np.ndarray]) -> bytes:
@@ -73,3 +74,29 @@ def test_a_header_integer_of_unknown_meaning_makes_the_derivation_give_up(monkey
     # the buffer offsets and lengths are left unexplained, so nothing is patched blindly.
     monkeypatch.setattr(ipc_framing, "_quantities", lambda widths, rows: [rows])
     assert FixedWidthFraming.derive(MICROBATCH_SCHEMA) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70_000))
+def test_columns_read_back_are_views_of_the_writers_stream(microbatch_framing, rows):
+    arrays = random_columns(MICROBATCH_SCHEMA, rows, rows)
+    stream = writer_stream(MICROBATCH_SCHEMA, arrays)
+    columns = microbatch_framing.columns(stream, rows, [array.dtype for array in arrays])
+    assert columns is not None
+    for column, array in zip(columns, arrays, strict=True):
+        np.testing.assert_array_equal(column, array)
+        assert np.shares_memory(column, np.frombuffer(stream, np.uint8))
+
+
+def test_a_stream_framed_otherwise_is_left_to_pyarrow(microbatch_framing):
+    arrays = random_columns(MICROBATCH_SCHEMA, 100, 1)
+    dtypes = [array.dtype for array in arrays]
+    stream = writer_stream(MICROBATCH_SCHEMA, arrays)
+    assert microbatch_framing.columns(stream, 99, dtypes) is None  # another row count
+    assert microbatch_framing.columns(stream[:-8], 100, dtypes) is None  # no end of stream
+    assert microbatch_framing.columns(stream + bytes(8), 100, dtypes) is None  # trailing bytes
+    sink = pa.BufferOutputStream()  # the same rows in two record batches
+    table = pa.Table.from_arrays([pa.array(a) for a in arrays], schema=MICROBATCH_SCHEMA)
+    with pa.ipc.new_stream(sink, MICROBATCH_SCHEMA) as writer:
+        writer.write_table(table, max_chunksize=50)
+    assert microbatch_framing.columns(sink.getvalue().to_pybytes(), 100, dtypes) is None

@@ -205,6 +205,17 @@ def test_the_served_layout_is_read_with_one_schema_check(monkeypatch):
         np.testing.assert_array_equal(split[name].numpy(), values)
 
 
+def test_a_microbatch_framed_as_the_server_frames_it_is_read_without_pyarrows_reader(
+    monkeypatch,
+):
+    columns = _served_columns(300)
+    payload = _microbatch_payload(columns)
+    monkeypatch.setattr(arrow_codec.pa.ipc, "open_stream", lambda *_: pytest.fail("parsed"))
+    tensors = _column_tensors(payload, 300)
+    for name, values in columns.items():
+        np.testing.assert_array_equal(tensors[name].numpy(), values)
+
+
 def test_served_columns_are_read_by_name_whatever_their_order():
     """The served schema is read at once; any other layout (reordered, an extra column, a
     wrong type) is read column by column, by name, with the offending column named."""
