@@ -32,9 +32,9 @@ What runs, all on loopback in one invocation, per repeat:
    loop does no measuring; with replicas, whose hooks run in other processes, each step's
    stored size from the actor, split evenly over the ranks). The client does all of it
    twice and the second pass is timed: both ends are warm, as every end-to-end process is
-   unless `--cold`. The server's malloc settings are the sidecar front-end's own (see
-   `client.allocator`); the client's environment is the end-to-end clients' (`--client-env`).
-   Raw time = both transfers, one after the other.
+   unless `--cold`. The server's malloc settings are the sidecar front-end's own and the
+   client's a trainer rank's (see `client.allocator`); the client's environment is the
+   end-to-end clients' (`--client-env`). Raw time = both transfers, one after the other.
 
 Reported per repeat: end-to-end seconds, rollouts/s and tokens/s (all tokens, prompt and
 policy); bytes moved = ingest payloads + served responses, each counted once, per second
@@ -52,21 +52,25 @@ sum, not one process, bounds the rate. To see more, run it under a sampling prof
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
 Seen on the 2-core dev machine (`--case long --cpu`, 32 steps, the writer's default 8 MiB
-batches of 114 rollouts, every process warm): the raw stream takes ~0.2-0.3 s and ~0.35-0.5
-CPU-s (both ends; it already fills both cores). End to end takes ~0.5-0.8 s and ~0.9-1.3
-CPU-s: front-end 0.45-0.65 (gRPC receive + send about as the raw server; its assembler
-thread ~0.15, materializing the steps; 3-16k minor page faults), ranks 2 x ~0.15-0.25
-(2-28k page faults each), scheduler actor ~0.1, producers 2 x ~0.05, Ray's daemons < 0.05.
-Both cores stay busy, so the ratio is about raw CPU / end-to-end CPU: medians of 7 and 9
-runs 40.1% and 44.1%, single runs 35-71% (the machine is shared). With the ranks' allocator
-set as the front-end sets its own (`--client-env MALLOC_TRIM_THRESHOLD_=1073741824
---client-env MALLOC_MMAP_THRESHOLD_=33554432`, README "Tuning a deployment"), their page
-faults fall under 4k and the median of 7 runs was 50.9% (44-60%). `--cold` (clients timed
-on their first pass): median of 5 runs 32.7%. Smaller writer batches cost more actor calls
-and Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%, cold); two batches in flight
-(`--in-flight 2`) did not help (median 39%, cold); `--replicas 2` on 2 cores is slower
-(~25%, cold): the front-ends fetch each other's batches and responses and no core is free
-for the second interpreter. (`--stages` times one step's 64 rollouts, sent as one batch.)
+batches of 114 rollouts, every process warm; two sets of 9 runs): the raw stream takes
+0.19-0.24 s and 0.30-0.37 CPU-s (both ends; it already fills both cores). End to end takes
+0.37-0.47 s and 0.66-0.81 CPU-s: front-end 0.32-0.39 (gRPC receive + send about as the raw
+server, 0.14-0.17; its assembler thread ~0.1, materializing the steps), ranks 2 x
+0.10-0.14, scheduler actor 0.05-0.07, producers 2 x 0.03-0.06, Ray's daemons < 0.03. Both
+cores stay busy, so the ratio is about raw CPU / end-to-end CPU: medians of 9 runs 51.5%
+and 51.1% (single runs 44-63%; the machine is shared). Every process keeps its freed memory
+for the next step's buffers (`client.allocator`: the front-end by `[server]
+retained_free_mib`, a rank by `BatchLoader`'s `retained_free_mib`, the raw ends likewise);
+without it the front-end took 20-46k page faults per run and each rank 2-28k, at ~2 us each.
+The front-end's count still jumps now and then (to ~45k in one run of 9): every repeat's
+front-end runs in this one process, whose heap has held the earlier repeats' (a deployed
+sidecar runs one). `--cold` (clients timed on their first pass): median of 5 runs 32.7%,
+with older code (no allocator setting in the ranks, writer-framed microbatches). Smaller writer
+batches cost more actor calls and Python per byte (`--batch-rollouts 16`, 1.1 MiB: ~30-34%,
+cold); two batches in flight (`--in-flight 2`) did not help (median 39%, cold);
+`--replicas 2` on 2 cores is slower (~25%, cold): the front-ends fetch each other's batches
+and responses and no core is free for the second interpreter. (`--stages` times one
+step's 64 rollouts, sent as one batch.)
 """
 
 from __future__ import annotations
@@ -778,7 +782,7 @@ def main() -> None:
         type=environment_item,
         metavar="NAME=VALUE",
         help="environment of every client process, the raw client's too (e.g. "
-        "MALLOC_TRIM_THRESHOLD_=1073741824, see README 'Tuning a deployment'); repeatable",
+        "MALLOC_ARENA_MAX=2); repeatable",
     )
     args = parser.parse_args()
     options = Options(
