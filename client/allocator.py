@@ -20,8 +20,9 @@ A thread's heap other than the main one is at most 64 MiB and is unmapped whole 
 is free, whatever the trim threshold; a front-end, whose threads allocate many such
 buffers at once, therefore also asks for one heap shared by all its threads
 (`single_arena`). glibc fixes the number of heaps when a thread first needs one, so this
-takes effect only if set before the process starts threads that allocate (what `rlfeed
-serve` does); later it is a no-op.
+takes full effect only if set before the process starts threads that allocate (what
+`rlfeed serve` does); set later, it only stops new heaps being made, and new threads share
+the ones already there.
 """
 
 from __future__ import annotations
