@@ -46,6 +46,15 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
 
 
+def _body_offsets(widths: Sequence[int], rows: int) -> list[int]:
+    """Where each column's values start in the body of a batch of `rows` rows, then where
+    the body ends (its length): the padded bytes of the columns before."""
+    offsets = [0]
+    for width in widths:
+        offsets.append(offsets[-1] + _padded(rows * width))
+    return offsets
+
+
 @dataclass(frozen=True)
 class FixedWidthFraming:
     """The IPC stream of one record batch of a fixed-width, null-free schema, as pieces to
@@ -58,7 +67,7 @@ class FixedWidthFraming:
 
     @classmethod
     def derive(cls, schema: pa.Schema) -> FixedWidthFraming | None:
-        """The framing of `schema`, or None where it has a variable-width or nullable
+        """The framing of `schema`, or None where it has a variable-width or boolean
         column, or where the writer's messages do not follow the layout described above."""
         if not all(
             pa.types.is_primitive(field.type) and not pa.types.is_boolean(field.type)
@@ -111,19 +120,17 @@ class FixedWidthFraming:
         `widths[i]`."""
         header = self.header(num_rows)
         view = memoryview(stream)
-        body = sum(_padded(num_rows * width) for width in self.widths)
-        end = len(header) + body
+        *starts, body = (len(header) + offset for offset in _body_offsets(self.widths, num_rows))
         if (
-            view.nbytes != end + len(self.end_of_stream)
+            view.nbytes != body + len(self.end_of_stream)
             or view[: len(header)] != header
-            or view[end:] != self.end_of_stream
+            or view[body:] != self.end_of_stream
         ):
             return None
-        out, offset = [], len(header)
-        for width, dtype in zip(self.widths, dtypes, strict=True):
-            out.append(np.frombuffer(view, dtype, num_rows, offset))
-            offset += _padded(num_rows * width)
-        return out
+        return [
+            np.frombuffer(view, dtype, num_rows, start)
+            for start, dtype in zip(starts, dtypes, strict=True)
+        ]
 
 
 def _writer_framing(schema: pa.Schema, rows: int) -> tuple[bytes, bytes]:
@@ -135,7 +142,7 @@ def _writer_framing(schema: pa.Schema, rows: int) -> tuple[bytes, bytes]:
         writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
         batch_end = sink.tell()
     stream = sink.getvalue().to_pybytes()
-    body = sum(_padded(rows * field.type.byte_width) for field in schema)
+    body = _body_offsets([field.type.byte_width for field in schema], rows)[-1]
     return stream[: batch_end - body], stream[batch_end:]
 
 
@@ -143,12 +150,7 @@ def _quantities(widths: tuple[int, ...], rows: int) -> list[int]:
     """Every integer of a stream's header that depends on the row count T = rows: T itself
     (batch and field-node lengths), each width's column bytes (buffer lengths), and the
     padded bytes of the first k columns for k = 1 .. n (buffer offsets; the body length)."""
-    values = [rows, *(rows * width for width in widths)]
-    offset = 0
-    for width in widths:
-        offset += _padded(rows * width)
-        values.append(offset)
-    return values
+    return [rows, *(rows * width for width in widths), *_body_offsets(widths, rows)[1:]]
 
 
 def _find_slots(
