@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-from rlfeed.client.ipc_framing import FixedWidthFraming
-from rlfeed.client.wire import encode_varint, length_delimited, split_field
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
+from rlfeed.proto.ipc_framing import FixedWidthFraming
+from rlfeed.proto.wire import encode_varint, length_delimited, split_field
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: producers never pay for it
     import torch

@@ -191,7 +191,7 @@ def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
 
 
 class InProcessTransport:
-    """`Transport` backed by a `rlfeed.service.scheduler.Scheduler` in this process.
+    """`Transport` backed by a `rlfeed.service.scheduler.state.Scheduler` in this process.
 
     It runs the same codec, validation and scheduler code as the server, and answers with
     the same messages (served steps are the scheduler's stored `GetBatchResponse` bytes),
@@ -201,16 +201,16 @@ class InProcessTransport:
 
     def __init__(self, config: Any = None) -> None:
         from rlfeed.service.config import SidecarConfig
-        from rlfeed.service.scheduler import Scheduler
+        from rlfeed.service.scheduler.state import Scheduler
 
         self.config = config if config is not None else SidecarConfig()
         self._scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
 
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
-        from rlfeed.service.codec import decode_rollout_batch
-        from rlfeed.service.scheduler import BackpressureError, BatchMeta
-        from rlfeed.service.validation import validate_rollout_batch
+        from rlfeed.service.frontend.codec import decode_rollout_batch
+        from rlfeed.service.frontend.validation import validate_rollout_batch
+        from rlfeed.service.scheduler.state import BackpressureError, BatchMeta
 
         with self._cond:
             try:
@@ -294,7 +294,7 @@ class InProcessTransport:
             )
 
     def status(self) -> pb.StatusResponse:
-        from rlfeed.service.codec import status_to_proto
+        from rlfeed.service.frontend.codec import status_to_proto
 
         with self._cond:
             return status_to_proto(self._scheduler.status(), self.config)

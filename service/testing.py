@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.service.codec import decode_microbatch, encode_rollout_batch
-from rlfeed.service.records import StepRecord
+from rlfeed.service.frontend.codec import decode_microbatch, encode_rollout_batch
+from rlfeed.service.scheduler.records import StepRecord
 
 
 @dataclass

@@ -37,7 +37,7 @@ def ray_local():
 @pytest.fixture
 def make_sidecar(ray_local):
     from rlfeed.service.config import SidecarConfig, with_overrides
-    from rlfeed.service.server import start_server
+    from rlfeed.service.frontend.server import start_server
 
     started = []
 

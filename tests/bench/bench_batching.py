@@ -6,7 +6,7 @@
 Part 1 reproduces 14.2 on its long-tailed workload: 512 trajectory lengths, log-normal
 with a median of 8,192 tokens and sigma 0.85 (chosen so the padded figures land near the
 chapter's), rounded and capped at a 65,536-token context, seed 0: the bundled
-`service/examples/lengths.txt`, which this script checks it reproduces. Four schemes: 8
+`service/cli/examples/lengths.txt`, which this script checks it reproduces. Four schemes: 8
 trajectories per microbatch in random order (the same generator's next permutation), 8 in
 length-sorted order, a padded token budget of 131,072 (count x longest <= budget) and a
 packed one (sum <= budget, FFD). For each: microbatches, padding share of the computed
@@ -48,7 +48,7 @@ BUDGET = 131_072
 PER_MICROBATCH = 8
 WORLD_SIZE = 8
 TARGET_SECONDS = {100_000: 0.3, 1_000_000: 3.0}
-EXAMPLE = Path(__file__).resolve().parents[2] / "service" / "examples" / "lengths.txt"
+EXAMPLE = Path(__file__).resolve().parents[2] / "service" / "cli" / "examples" / "lengths.txt"
 
 
 def long_tailed_workload(n: int = 512, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -353,9 +353,9 @@ def trainer_main(case: Case, address: str, rank: int, options: Options, go, resu
 def run_e2e(case: Case, options: Options) -> dict:
     import ray
     from rlfeed.service.config import SidecarConfig, with_overrides
-    from rlfeed.service.events import ServerEvents
-    from rlfeed.service.replicas import start_replicas
-    from rlfeed.service.server import start_server
+    from rlfeed.service.frontend.events import ServerEvents
+    from rlfeed.service.frontend.server import start_server
+    from rlfeed.service.replicas.processes import start_replicas
 
     first_timed = options.first_timed_step(case)
     replicas = options.replicas
@@ -597,11 +597,11 @@ def run_stages(case: Case) -> None:
         encode_rollout_batch,
         parse_get_batch_response,
     )
-    from rlfeed.service.codec import decode_rollout_batch, parse_rollout_batch
     from rlfeed.service.config import SidecarConfig, with_overrides
-    from rlfeed.service.materialize import materialize_work
-    from rlfeed.service.scheduler import BatchMeta, Scheduler
-    from rlfeed.service.validation import validate_rollout_batch
+    from rlfeed.service.frontend.codec import decode_rollout_batch, parse_rollout_batch
+    from rlfeed.service.frontend.materialize import materialize_work
+    from rlfeed.service.frontend.validation import validate_rollout_batch
+    from rlfeed.service.scheduler.state import BatchMeta, Scheduler
 
     per_step = case.prompts_per_step * case.group_size
     step_case = Case(case.name, case.tokens, per_step, *CASES[case.name][2:])

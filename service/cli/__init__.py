@@ -1,0 +1,55 @@
+"""The `rlfeed` command line: a thin dispatcher.
+
+Each subcommand lives in `rlfeed.service.cli.<name>` and exposes
+`add_arguments(parser)` and `run(args) -> int`. Command modules import only the standard
+library at module level, so `rlfeed --help` answers instantly; numpy, torch, Ray and gRPC
+are imported inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> one-line help. Order is the order shown by `rlfeed --help`.
+COMMANDS: dict[str, str] = {
+    "plan": "plan token-budgeted, rank-balanced microbatches for a file of sequence lengths",
+    "estimate": "throughput and GPU-hour arithmetic for a model, a GPU and an episode shape",
+    "serve": "run the sidecar: gRPC server + Ray-hosted scheduler (+ metrics)",
+    "demo": "run the sidecar with a synthetic inference fleet and two trainer ranks",
+    "status": "ask a running sidecar for its health and progress",
+    "layout": "render the padded vs packed layout of a served step as a PNG",
+}
+
+
+def _command_module(name: str):
+    return importlib.import_module(f"rlfeed.service.cli.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlfeed",
+        description="rlfeed: packed, token-budgeted, rank-balanced RL training batches.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_text in COMMANDS.items():
+        module = _command_module(name)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # `rlfeed plan --json | head` closed our stdout: not an error of ours.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

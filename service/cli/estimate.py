@@ -1,0 +1,279 @@
+"""`rlfeed estimate`: roofline throughput and GPU-hour arithmetic (chapter Section 14.6).
+
+    rlfeed estimate                                   # Qwen3-8B on an H200, batch 64, 2k
+    rlfeed estimate --model qwen3-32b --gpu h100 --context 16384 --json
+    rlfeed estimate --steps 300                       # + the default episode shape's step
+    rlfeed estimate --layers 36 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \\
+        --intermediate 12288 --vocab 151936 --bandwidth 4.8 --flops 989
+
+Prints kv_bytes_per_token, params, decode_tokens_per_s and train_tokens_per_s. Any
+episode-shape flag (--prompts, --group-size, --prompt-tokens, --policy-tokens,
+--tool-tokens, --busy-fraction, --logprob-passes, --steps) adds the GPU-hours of one step,
+split into decode, training and log-prob passes (and the run total with --steps); shape
+fields not given take `EpisodeShape`'s defaults, including its 16,384-token decode context
+unless --context is given. Bad input exits 2 with the flag and the valid choices on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlfeed.service.cli.argtypes import (
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
+DEFAULT_MODEL = "qwen3-8b"
+DEFAULT_GPU = "h200"
+DEFAULT_BATCH = 64
+DEFAULT_CONTEXT = 2048
+DEFAULT_MFU = 0.4
+
+# flag dest -> ModelArch field, for a custom architecture.
+_ARCH_FLAGS: dict[str, str] = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "intermediate": "intermediate_size",
+    "vocab": "vocab_size",
+}
+# flag dest -> EpisodeShape field.
+_SHAPE_FLAGS: dict[str, str] = {
+    "prompts": "prompts_per_step",
+    "group_size": "group_size",
+    "prompt_tokens": "prompt_tokens",
+    "policy_tokens": "policy_tokens",
+    "tool_tokens": "tool_tokens",
+    "busy_fraction": "busy_fraction",
+    "logprob_passes": "logprob_forward_passes",
+}
+
+
+class _UsageError(Exception):
+    """Bad flags: reported on stderr, exit status 2 (argparse's convention)."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, or every architecture flag)")
+    model.add_argument("--model", help=f"preset name (default {DEFAULT_MODEL})")
+    model.add_argument("--layers", type=positive_int, help="number of transformer blocks")
+    model.add_argument("--hidden", type=positive_int, help="hidden size")
+    model.add_argument("--heads", type=positive_int, help="query heads")
+    model.add_argument("--kv-heads", type=positive_int, help="key/value heads")
+    model.add_argument("--head-dim", type=positive_int, help="per-head dimension")
+    model.add_argument("--intermediate", type=positive_int, help="MLP intermediate size")
+    model.add_argument("--vocab", type=positive_int, help="vocabulary size")
+    model.add_argument(
+        "--tied-embeddings", action="store_true", help="LM head shares the embedding matrix"
+    )
+    gpu = parser.add_argument_group("GPU (a preset, or --bandwidth and --flops)")
+    gpu.add_argument("--gpu", help=f"preset name (default {DEFAULT_GPU})")
+    gpu.add_argument("--bandwidth", type=positive_float, help="memory bandwidth, TB/s")
+    gpu.add_argument("--flops", type=positive_float, help="dense bf16 throughput, TFLOP/s")
+    gpu.add_argument("--memory", type=positive_float, help="GPU memory, GB (optional)")
+    rates = parser.add_argument_group("rates")
+    rates.add_argument(
+        "--batch",
+        type=positive_int,
+        help=f"decode batch (default {DEFAULT_BATCH}; the step's default is the shape's)",
+    )
+    rates.add_argument(
+        "--context",
+        type=non_negative_int,
+        help=f"decode context, tokens (default {DEFAULT_CONTEXT}; the step's default is the "
+        "shape's 16384)",
+    )
+    rates.add_argument(
+        "--mfu", type=fraction, default=DEFAULT_MFU, help=f"training MFU (default {DEFAULT_MFU})"
+    )
+    shape = parser.add_argument_group("episode shape (any of these adds the step's GPU-hours)")
+    shape.add_argument("--prompts", type=positive_int, help="prompts (tasks) per step")
+    shape.add_argument("--group-size", type=positive_int, help="episodes per prompt")
+    shape.add_argument("--prompt-tokens", type=non_negative_int, help="prompt tokens per episode")
+    shape.add_argument(
+        "--policy-tokens", type=non_negative_int, help="generated tokens per episode"
+    )
+    shape.add_argument(
+        "--tool-tokens", type=non_negative_int, help="tool-output tokens per episode"
+    )
+    shape.add_argument("--busy-fraction", type=fraction, help="decode GPUs' busy share")
+    shape.add_argument("--logprob-passes", type=non_negative_int, help="log-prob forward passes")
+    shape.add_argument("--steps", type=positive_int, help="steps in the run, for a run total")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _resolve_arch(args: argparse.Namespace):
+    from rlfeed.sched.models import MODELS, ModelArch
+
+    given = [dest for dest in _ARCH_FLAGS if getattr(args, dest) is not None]
+    if args.tied_embeddings:
+        given.append("tied_embeddings")
+    if args.model is not None and given:
+        flags = ", ".join(_flag(dest) for dest in given)
+        raise _UsageError(f"argument --model: not allowed with architecture flags ({flags})")
+    if not given:
+        name = args.model or DEFAULT_MODEL
+        if name not in MODELS:
+            raise _UsageError(
+                f"argument --model: invalid choice {name!r} (choose from {', '.join(MODELS)})"
+            )
+        return MODELS[name]
+    missing = [_flag(dest) for dest in _ARCH_FLAGS if getattr(args, dest) is None]
+    if missing:
+        raise _UsageError(
+            f"a custom architecture needs every architecture flag; missing: {', '.join(missing)}"
+        )
+    fields = {field: getattr(args, dest) for dest, field in _ARCH_FLAGS.items()}
+    return ModelArch(name="custom", tie_word_embeddings=args.tied_embeddings, **fields)
+
+
+def _resolve_gpu(args: argparse.Namespace):
+    from rlfeed.sched.models import GPUS, GpuSpec
+
+    given = [d for d in ("bandwidth", "flops", "memory") if getattr(args, d) is not None]
+    if args.gpu is not None and given:
+        flags = ", ".join(_flag(dest) for dest in given)
+        raise _UsageError(f"argument --gpu: not allowed with {flags}")
+    if not given:
+        name = args.gpu or DEFAULT_GPU
+        if name not in GPUS:
+            raise _UsageError(
+                f"argument --gpu: invalid choice {name!r} (choose from {', '.join(GPUS)})"
+            )
+        return GPUS[name]
+    missing = [_flag(d) for d in ("bandwidth", "flops") if getattr(args, d) is None]
+    if missing:
+        raise _UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
+    return GpuSpec(
+        name="custom",
+        memory_bandwidth_bytes_per_s=args.bandwidth * 1e12,
+        dense_bf16_flops_per_s=args.flops * 1e12,
+        memory_bytes=None if args.memory is None else args.memory * 1e9,
+    )
+
+
+def _resolve_shape(args: argparse.Namespace):
+    from rlfeed.sched.throughput import EpisodeShape
+
+    overrides = {
+        field: getattr(args, dest)
+        for dest, field in _SHAPE_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    if not overrides and args.steps is None:
+        return None
+    if args.batch is not None:
+        overrides["decode_batch"] = args.batch
+    if args.context is not None:
+        overrides["decode_context"] = args.context
+    return EpisodeShape(mfu=args.mfu, **overrides)
+
+
+def _estimate(args: argparse.Namespace) -> dict:
+    from dataclasses import asdict
+
+    from rlfeed.sched import throughput as tp
+
+    arch, gpu, shape = _resolve_arch(args), _resolve_gpu(args), _resolve_shape(args)
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    context = DEFAULT_CONTEXT if args.context is None else args.context
+    result: dict = {
+        "model": arch.name,
+        "gpu": gpu.name,
+        "kv_bytes_per_token": tp.kv_bytes_per_token(arch),
+        "params": tp.param_count(arch),
+        "decode_batch": batch,
+        "decode_context": context,
+        "decode_tokens_per_s": tp.decode_tokens_per_s(arch, gpu, batch=batch, context=context),
+        "decode_memory_bytes": tp.decode_memory_bytes(arch, batch=batch, context=context),
+        "gpu_memory_bytes": gpu.memory_bytes,
+        "mfu": args.mfu,
+        "train_tokens_per_s": tp.train_tokens_per_s(arch, gpu, mfu=args.mfu),
+    }
+    if shape is not None:
+        cost = tp.step_gpu_hours(arch, gpu, shape)
+        result["episode_shape"] = asdict(shape)
+        result["step"] = {
+            "policy_tokens": cost.policy_tokens,
+            "total_tokens": cost.total_tokens,
+            "decode_tokens_per_s": cost.decode_tokens_per_s,
+            "decode_memory_bytes": tp.decode_memory_bytes(
+                arch, batch=shape.decode_batch, context=shape.decode_context
+            ),
+        }
+        result["step_gpu_hours"] = {
+            "decode": cost.decode_gpu_hours,
+            "train": cost.train_gpu_hours,
+            "logprob": cost.logprob_gpu_hours,
+            "total": cost.total_gpu_hours,
+        }
+        if args.steps is not None:
+            result["steps"] = args.steps
+            result["run_gpu_hours"] = cost.total_gpu_hours * args.steps
+    return result
+
+
+def _print_memory_note(needed: int, memory: float | None) -> None:
+    if memory is not None and needed > memory:
+        print(
+            f"  note: weights + KV caches need {needed / 1e9:.0f} GB, more than the GPU's "
+            f"{memory / 1e9:.0f} GB (the roofline ignores capacity)"
+        )
+
+
+def _print_text(r: dict) -> None:
+    print(f"model                {r['model']}, {r['params'] / 1e9:.2f}B params, on {r['gpu']}")
+    print(f"params               {r['params']:,}")
+    kv = r["kv_bytes_per_token"]
+    print(f"kv_bytes_per_token   {kv:,} B ({kv / 1e3:.0f} KB)")
+    print(
+        f"decode_tokens_per_s  {r['decode_tokens_per_s']:,.0f} per GPU "
+        f"(batch {r['decode_batch']}, context {r['decode_context']:,})"
+    )
+    _print_memory_note(r["decode_memory_bytes"], r["gpu_memory_bytes"])
+    print(f"train_tokens_per_s   {r['train_tokens_per_s']:,.0f} per GPU (MFU {r['mfu']:.2f})")
+    if "step_gpu_hours" not in r:
+        return
+    s, hours, step = r["episode_shape"], r["step_gpu_hours"], r["step"]
+    episodes = s["prompts_per_step"] * s["group_size"]
+    print(
+        f"episode shape        {s['prompts_per_step']} prompts x {s['group_size']} = "
+        f"{episodes} episodes of {s['prompt_tokens']:,} prompt + {s['policy_tokens']:,} "
+        f"policy + {s['tool_tokens']:,} tool tokens"
+    )
+    print(
+        f"step decode          {step['decode_tokens_per_s']:,.0f} tok/s per GPU (batch "
+        f"{s['decode_batch']}, context {s['decode_context']:,}), busy {s['busy_fraction']:.2f}"
+    )
+    _print_memory_note(step["decode_memory_bytes"], r["gpu_memory_bytes"])
+    total = hours["total"]
+    parts = "  ".join(
+        f"{name} {hours[name]:.2f} ({hours[name] / total:.0%})"
+        for name in ("decode", "train", "logprob")
+    )
+    print(f"step_gpu_hours       {total:.2f}: {parts}")
+    if "run_gpu_hours" in r:
+        print(f"run_gpu_hours        {r['run_gpu_hours']:,.0f} over {r['steps']} steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = _estimate(args)
+    except (_UsageError, ValueError) as exc:
+        print(f"rlfeed estimate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_text(result)
+    return 0

@@ -1,0 +1,241 @@
+"""`rlfeed plan`: token-budgeted, rank-balanced microbatches for a file of sequence lengths.
+
+    rlfeed plan --example                              # the bundled 14.2 workload
+    rlfeed plan --lengths lengths.txt --world-size 8
+    rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
+
+FILE holds one length (in tokens) per line; blank lines and `#` comments are ignored, and a
+bad line is reported with its line number. The plan is exactly what a step's assembly does
+(`rlfeed.sched.planning.plan_microbatches`):
+microbatches of at most --budget computed positions (default 131,072), then dealt out to
+--world-size ranks (default 1), the same number to each; for the packed cost model the
+sequences are first spread evenly over a multiple of K microbatches (--no-spread: keep the
+plain FFD bins and split some of them instead). --json prints one JSON object:
+`microbatches` (0-based sequence indices), `ranks` (microbatch indices per rank, in slot
+order), `num_microbatches` (after balancing, including splits and empty no-op microbatches),
+`num_budget_microbatches` (before balancing), `lower_bound` (ceil(tokens / budget)),
+`padding_share`, `fill` (real tokens / (num_microbatches x budget)),
+`largest_microbatch_tokens` (computed positions of the largest microbatch),
+`rank_imbalance`, `lockstep_efficiency`, `plan_seconds` and the inputs. Errors exit 2 with
+a message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rlfeed.service.cli.argtypes import non_negative_float, positive_int
+
+DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
+DEFAULT_WORLD_SIZE = 1
+EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service.cli package
+
+
+class _UsageError(Exception):
+    """Bad input: reported on stderr, exit status 2 (argparse's convention)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--lengths", metavar="FILE", help="one sequence length per line; '-' reads stdin"
+    )
+    source.add_argument(
+        "--example", action="store_true", help="use the bundled 512-trajectory 14.2 workload"
+    )
+    parser.add_argument(
+        "--budget",
+        type=positive_int,
+        default=DEFAULT_BUDGET,
+        metavar="TOKENS",
+        help=f"token budget per microbatch, in computed positions (default {DEFAULT_BUDGET})",
+    )
+    parser.add_argument(
+        "--cost",
+        choices=("packed", "padded"),
+        default="packed",
+        help="packed: sum of lengths; padded: count x longest (default packed)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=DEFAULT_WORLD_SIZE,
+        metavar="K",
+        help=f"data-parallel ranks (default {DEFAULT_WORLD_SIZE})",
+    )
+    parser.add_argument(
+        "--method",
+        choices=("ffd", "bfd"),
+        default="ffd",
+        help="bin packing for --cost packed (default ffd)",
+    )
+    parser.add_argument(
+        "--attention-weight",
+        type=non_negative_float,
+        default=0.0,
+        metavar="W",
+        help="rank-balancing cost = tokens + W x sum(L^2) (default 0)",
+    )
+    parser.add_argument(
+        "--spread",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="packed: spread sequences evenly over a multiple of K microbatches (LPT) "
+        "instead of splitting full ones (default: on for --cost packed, as the service does)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def example_path() -> Path:
+    """Path of the bundled example lengths file (package data of rlfeed.service)."""
+    from importlib import resources
+
+    return Path(str(resources.files("rlfeed.service.cli").joinpath(EXAMPLE)))
+
+
+def parse_lengths(text: str, source: str) -> tuple[list[int], list[int]]:
+    """(lengths, line numbers) from one-length-per-line text; `#` starts a comment."""
+    lengths: list[int] = []
+    line_numbers: list[int] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        content = line.split("#", 1)[0].strip()
+        if not content:
+            continue
+        try:
+            value = int(content)
+        except ValueError:
+            raise _UsageError(
+                f"{source}:{number}: expected one whole number of tokens, got {content!r}"
+            ) from None
+        if value < 1:
+            raise _UsageError(f"{source}:{number}: length must be >= 1, got {value}")
+        lengths.append(value)
+        line_numbers.append(number)
+    return lengths, line_numbers
+
+
+def _read(args: argparse.Namespace) -> tuple[str, str]:
+    if args.example:
+        path = example_path()
+        return path.read_text(), str(path)
+    if args.lengths == "-":
+        return sys.stdin.read(), "<stdin>"
+    try:
+        return Path(args.lengths).read_text(), args.lengths
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
+
+
+def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
+    """The JSON-ready plan of `lengths` under the flags in `args`."""
+    import numpy as np
+    from rlfeed.sched.budgets import (
+        microbatch_lower_bound,
+        microbatch_positions,
+        microbatch_tokens,
+    )
+    from rlfeed.sched.planning import plan_microbatches
+
+    sizes = np.asarray(lengths, dtype=np.int64)
+    started = time.perf_counter()
+    planned = plan_microbatches(
+        sizes,
+        args.budget,
+        args.world_size,
+        cost=args.cost,
+        method=args.method,
+        attention_weight=args.attention_weight,
+        spread=args.spread,
+    )
+    assignment = planned.assignment
+    plan_seconds = time.perf_counter() - started
+    microbatches = assignment.microbatches
+    tokens = microbatch_tokens(sizes, microbatches)
+    positions = microbatch_positions(sizes, microbatches, args.cost)
+    total_tokens = int(sizes.sum())
+    total_positions = int(positions.sum())
+    return {
+        "num_sequences": int(sizes.size),
+        "total_tokens": total_tokens,
+        "token_budget": args.budget,
+        "cost": args.cost,
+        "method": args.method,
+        "world_size": args.world_size,
+        "attention_weight": args.attention_weight,
+        "spread": planned.spread,
+        "num_microbatches": len(microbatches),
+        "num_budget_microbatches": planned.num_budget_microbatches,
+        "num_empty_microbatches": int(sum(m.size == 0 for m in microbatches)),
+        "num_slots": assignment.num_slots,
+        "lower_bound": microbatch_lower_bound(sizes, args.budget),
+        "padding_share": 1.0 - total_tokens / total_positions if total_positions else 0.0,
+        "fill": total_tokens / (len(microbatches) * args.budget) if microbatches else 0.0,
+        "largest_microbatch_tokens": int(positions.max()) if positions.size else 0,
+        "rank_imbalance": assignment.rank_imbalance,
+        "lockstep_efficiency": assignment.lockstep_efficiency,
+        "rank_cost": assignment.rank_cost.tolist(),
+        "plan_seconds": plan_seconds,
+        "microbatch_tokens": tokens.tolist(),
+        "microbatch_positions": positions.tolist(),
+        "microbatches": [m.tolist() for m in microbatches],
+        "ranks": assignment.ranks,
+    }
+
+
+def _print_table(plan: dict, source: str) -> None:
+    print(
+        f"rlfeed plan: {plan['num_sequences']:,} sequences, {plan['total_tokens']:,} tokens "
+        f"from {source}"
+    )
+    print(
+        f"budget {plan['token_budget']:,} positions ({plan['cost']}, {plan['method']}), "
+        f"world size {plan['world_size']}, attention weight {plan['attention_weight']:g}"
+        + (", spread" if plan["spread"] else "")
+    )
+    empty = f", {plan['num_empty_microbatches']} empty" if plan["num_empty_microbatches"] else ""
+    rows = [
+        ("microbatches", f"{plan['num_microbatches']:,} ({plan['num_slots']} per rank{empty})"),
+        ("lower bound", f"{plan['lower_bound']:,} (ceil(tokens / budget))"),
+        ("fill", f"{plan['fill']:.1%}"),
+        ("padding share", f"{plan['padding_share']:.1%}"),
+        ("largest microbatch", f"{plan['largest_microbatch_tokens']:,} positions"),
+        ("rank imbalance", f"{plan['rank_imbalance']:.4f} (max / mean rank cost)"),
+        ("lockstep efficiency", f"{plan['lockstep_efficiency']:.1%}"),
+        ("planned in", f"{plan['plan_seconds'] * 1e3:.1f} ms"),
+    ]
+    for name, value in rows:
+        print(f"  {name:<20} {value}")
+    print(f"  {'rank':>4}  {'microbatches':>12}  {'sequences':>9}  {'cost':>14}")
+    sequences_per_microbatch = [len(m) for m in plan["microbatches"]]
+    for rank, (slots, cost) in enumerate(zip(plan["ranks"], plan["rank_cost"], strict=True)):
+        sequences = sum(sequences_per_microbatch[i] for i in slots)
+        print(f"  {rank:>4}  {len(slots):>12}  {sequences:>9}  {cost:>14,.0f}")
+    print("(--json prints the microbatches and the per-rank slot order)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text, source = _read(args)
+        lengths, line_numbers = parse_lengths(text, source)
+        too_long = [i for i, length in enumerate(lengths) if length > args.budget]
+        if too_long:
+            index = too_long[0]
+            raise _UsageError(
+                f"{source}:{line_numbers[index]}: sequence {index} has length "
+                f"{lengths[index]}, longer than the token budget {args.budget} "
+                f"({len(too_long)} sequence(s) too long); raise --budget or drop them"
+            )
+        plan = build_plan(lengths, args)
+    except (_UsageError, ValueError) as exc:
+        print(f"rlfeed plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(plan, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_table(plan, source)
+    return 0

@@ -1,0 +1,306 @@
+"""The sidecar's Prometheus metric families, on a private registry.
+
+Names follow Prometheus conventions: the `rlfeed_` prefix, base units (`_seconds`, `_bytes`,
+GPU time in `_gpu_seconds`), `_total` on counters (prometheus_client appends it), `_ratio`
+on gauges in [0, 1]. Labels come from small fixed sets (`reason`, `phase`, `filter`) or are
+`rank` (< world_size); every labelled series that can be known up front exists from the
+start at 0, so dashboards and alerts see zeros rather than missing series. `RlfeedMetrics`
+(rlfeed.service.metrics.recorder) decides what to record; this module only declares and sets.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeHistogramMetricFamily
+
+if TYPE_CHECKING:
+    from rlfeed.service.metrics.figures import CostAssumptions, StepFigures, StepPrice
+
+# Why a batch was rejected (the `reason` label); anything else counts as "other".
+REJECT_REASONS: tuple[str, ...] = (
+    "malformed",  # not an Arrow IPC stream, missing/ill-typed column, null, empty id
+    "length_mismatch",  # per-rollout arrays of different lengths, empty sequence
+    "too_long",  # sequence longer than the token budget
+    "non_finite",  # NaN/inf reward or log-prob
+    "token_out_of_range",  # token id outside [0, vocab_size)
+    "unknown_task",  # task id not registered
+    "bad_action_mask",  # action_mask[0] == 1, or a value other than 0/1
+    "bad_policy_version",  # negative, or more than max_version_jump ahead of the newest seen
+    "duplicate_in_batch",  # one rollout id twice in a batch
+    "group_overflow",  # more than group_size rollouts in a group, or a group on two tasks
+    "buffer_full",  # RESOURCE_EXHAUSTED: max_buffered_rollouts reached
+    "other",
+)
+# Upper bounds (le) of the pass-rate buckets; 0 and 0.9999 isolate the tasks a (0, 1)
+# filter excludes as all-fail and all-pass.
+PASS_RATE_BUCKETS: tuple[float, ...] = (
+    0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.9999, 1.0,
+)  # fmt: skip
+PHASES: tuple[str, ...] = ("decode", "train", "logprob")
+ACK_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+STEP_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class PassRateHistogram:
+    """Tasks by current pass-rate estimate: a gauge histogram (a snapshot of the pool, not
+    an accumulation of observations), so `_bucket{le}` counts tasks with estimate <= le."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = np.zeros(len(PASS_RATE_BUCKETS), dtype=np.int64)
+        self._total, self._sum = 0, 0.0
+
+    def update(self, cumulative_counts: np.ndarray, total: int, total_sum: float) -> None:
+        with self._lock:
+            self._counts, self._total, self._sum = cumulative_counts, total, total_sum
+
+    def collect(self):
+        with self._lock:
+            counts, total, total_sum = self._counts, self._total, self._sum
+        buckets = [(repr(b), int(c)) for b, c in zip(PASS_RATE_BUCKETS, counts, strict=True)]
+        yield GaugeHistogramMetricFamily(
+            "rlfeed_curriculum_pass_rate",
+            "Tasks by current pass-rate estimate (cumulative buckets over [0, 1]).",
+            buckets=[*buckets, ("+Inf", total)],
+            gsum_value=total_sum,
+        )
+
+
+class MetricFamilies:
+    """Every rlfeed metric, as attributes; `observe_step` sets the per-step ones."""
+
+    def __init__(self, cost: CostAssumptions, zero_advantage_window_steps: int) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        Info("rlfeed_accounting", "Presets and MFU that price steps.", registry=r).info(
+            {"model": cost.model, "gpu": cost.gpu, "mfu": repr(cost.mfu)}
+        )
+        # Ingest.
+        self.ingest_batches = counter("rlfeed_ingest_batches", "Rollout batches acknowledged.")
+        self.rollouts_accepted = counter("rlfeed_ingest_rollouts_accepted", "Rollouts buffered.")
+        self.tokens_accepted = counter("rlfeed_ingest_tokens_accepted", "Tokens of those.")
+        self.rollouts_duplicate = counter(
+            "rlfeed_ingest_rollouts_duplicate", "Rollout ids resubmitted (idempotent, ignored)."
+        )
+        reason = ("reason",)
+        self.batches_rejected = counter("rlfeed_ingest_batches_rejected", "Batches.", reason)
+        self.rollouts_rejected = counter(
+            "rlfeed_ingest_rollouts_rejected", "Rollouts in rejected batches.", reason
+        )
+        self.tokens_rejected = counter(
+            "rlfeed_ingest_tokens_rejected", "Tokens in rejected batches.", reason
+        )
+        for family in (self.batches_rejected, self.rollouts_rejected, self.tokens_rejected):
+            for value in REJECT_REASONS:
+                family.labels(reason=value)
+        self.rollouts_stale = counter(
+            "rlfeed_ingest_rollouts_stale", "Rollouts dropped as older than max_policy_lag."
+        )
+        self.tokens_stale = counter("rlfeed_ingest_tokens_stale", "Tokens of those.")
+        self.ack_latency = Histogram(
+            "rlfeed_ingest_ack_latency_seconds",
+            "From receiving a rollout batch to its ack.",
+            buckets=ACK_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.buffered_rollouts = gauge("rlfeed_buffered_rollouts", "Accepted, not yet in a step.")
+        self.buffered_bytes = gauge("rlfeed_buffered_bytes", "Token payload bytes buffered.")
+        self.newest_policy_version = gauge(
+            "rlfeed_newest_policy_version", "Newest policy version seen in a rollout."
+        )
+        # Batching: gauges of the newest step, counters over all steps.
+        self.step = gauge("rlfeed_step", "Number of the newest assembled step.")
+        self.step_rollouts = gauge("rlfeed_step_rollouts", "Rollouts in the newest step.")
+        self.step_policy_tokens = gauge("rlfeed_step_policy_tokens", "Global policy tokens N.")
+        self.step_real_tokens = gauge("rlfeed_step_real_tokens", "Real tokens of the step.")
+        self.step_computed = gauge("rlfeed_step_computed_positions", "Positions computed.")
+        self.step_padded = gauge(
+            "rlfeed_step_padded_positions", "Positions of the padded alternative (count x max)."
+        )
+        self.step_padding = gauge("rlfeed_step_padding_ratio", "Padding share of the plan.")
+        self.step_padded_padding = gauge(
+            "rlfeed_step_padded_alternative_padding_ratio",
+            "Padding share if every rollout were padded to the step's longest.",
+        )
+        self.step_fill = gauge(
+            "rlfeed_step_fill_ratio", "Real tokens / (microbatches x token budget)."
+        )
+        self.step_microbatches = gauge("rlfeed_step_microbatches", "Microbatches, all ranks.")
+        self.step_microbatches_per_rank = gauge(
+            "rlfeed_step_microbatches_per_rank", "Microbatches each rank runs."
+        )
+        self.step_largest = gauge(
+            "rlfeed_step_largest_microbatch_positions", "Positions of the largest microbatch."
+        )
+        self.step_imbalance = gauge(
+            "rlfeed_step_rank_imbalance", "Max rank cost / mean rank cost - 1 (0 = balanced)."
+        )
+        self.step_lockstep = gauge(
+            "rlfeed_step_lockstep_efficiency_ratio",
+            "Share of rank-time spent working: total cost / (ranks x sum of each lockstep "
+            "slot's costliest microbatch).",
+        )
+        self.step_token_budget = gauge("rlfeed_step_token_budget", "Token budget per microbatch.")
+        self.steps_assembled = counter("rlfeed_steps_assembled", "Steps assembled.")
+        self.rollouts_trained = counter("rlfeed_rollouts_trained", "Rollouts in steps.")
+        self.policy_tokens = counter("rlfeed_policy_tokens", "Policy tokens in steps.")
+        self.real_tokens = counter("rlfeed_real_tokens", "Real tokens in steps.")
+        self.computed_positions = counter("rlfeed_computed_positions", "Positions computed.")
+        self.padded_positions = counter(
+            "rlfeed_padded_alternative_positions", "Positions the padded alternative computes."
+        )
+        self.microbatches = counter("rlfeed_microbatches", "Microbatches in steps, all ranks.")
+        self.budget_tokens = counter(
+            "rlfeed_microbatch_budget_tokens", "Microbatches x token budget (fill denominator)."
+        )
+        # Curriculum.
+        self.groups = counter("rlfeed_groups", "Groups considered for steps.")
+        self.zero_groups = counter(
+            "rlfeed_zero_advantage_groups", "Groups with all-equal rewards (no gradient)."
+        )
+        self.step_zero_share = gauge(
+            "rlfeed_step_zero_advantage_groups_ratio", "Zero-advantage group share, newest step."
+        )
+        self.window_zero_share = gauge(
+            "rlfeed_zero_advantage_groups_window_ratio",
+            "Zero-advantage group share over the trailing window of steps.",
+        )
+        gauge("rlfeed_zero_advantage_window_steps", "Steps in that window.").set(
+            zero_advantage_window_steps
+        )
+        self.tasks = gauge("rlfeed_curriculum_tasks", "Tasks by pass-rate filter.", ("filter",))
+        for side in ("inside", "outside"):
+            self.tasks.labels(filter=side)
+        self.sample_requests = counter("rlfeed_curriculum_sample_requests", "SampleTasks calls.")
+        self.tasks_requested = counter("rlfeed_curriculum_tasks_requested", "Sum of n asked.")
+        self.tasks_sampled = counter(
+            "rlfeed_curriculum_tasks_sampled", "Tasks returned, revisits included."
+        )
+        self.revisits = counter(
+            "rlfeed_curriculum_revisits", "Tasks returned from outside the filter."
+        )
+        self.rollouts_requested = counter(
+            "rlfeed_curriculum_rollouts_requested",
+            "Rollouts sampling every requested task would cost (n x group_size).",
+        )
+        self.rollouts_sampled = counter(
+            "rlfeed_curriculum_rollouts_sampled", "Rollouts the returned tasks cost."
+        )
+        self.rollouts_saved = counter(
+            "rlfeed_curriculum_rollouts_saved",
+            "Rollouts not spent because fewer tasks than requested passed the pass-rate "
+            "filter: (tasks requested - tasks drawn inside the filter) x group size.",
+        )
+        self.rollouts_saved_share = gauge(
+            "rlfeed_curriculum_rollouts_saved_ratio",
+            "Rollouts saved / rollouts requested since start (clipped to [0, 1]).",
+        )
+        self.pass_rates = PassRateHistogram()
+        r.register(self.pass_rates)
+        # Cost.
+        phase = ("phase",)
+        self.step_gpu_seconds = gauge(
+            "rlfeed_step_predicted_gpu_seconds", "Predicted GPU-seconds, newest step.", phase
+        )
+        self.gpu_seconds = counter(
+            "rlfeed_predicted_gpu_seconds", "Predicted GPU-seconds of all steps.", phase
+        )
+        for value in PHASES:
+            self.step_gpu_seconds.labels(phase=value)
+            self.gpu_seconds.labels(phase=value)
+        self.padding_gpu_seconds = counter(
+            "rlfeed_padding_gpu_seconds", "Predicted GPU-seconds spent on padding."
+        )
+        self.avoided_gpu_seconds = counter(
+            "rlfeed_padding_avoided_gpu_seconds",
+            "Predicted GPU-seconds the padded alternative would spend on padding beyond the plan.",
+        )
+        self.step_avoided_gpu_seconds = gauge(
+            "rlfeed_step_padding_avoided_gpu_seconds", "The same, newest step."
+        )
+        # Trainers (rank is bounded by world_size).
+        rank = ("rank",)
+        self.trainer_reports = counter("rlfeed_trainer_reports", "Trainer reports received.")
+        self.trainer_loss = gauge("rlfeed_trainer_loss", "Latest reported loss.", rank)
+        self.trainer_outliers = gauge(
+            "rlfeed_trainer_ratio_outlier_ratio",
+            "Share of policy tokens whose step-0 trainer/sampler ratio left the trust band.",
+            rank,
+        )
+        self.trainer_tps = gauge(
+            "rlfeed_trainer_tokens_per_second", "Reported positions per second.", rank
+        )
+        self.trainer_step_seconds = gauge(
+            "rlfeed_trainer_step_seconds", "Reported wall time of the rank's step.", rank
+        )
+        self.trainer_step = gauge("rlfeed_trainer_step", "Step of the latest report.", rank)
+        # Health.
+        self.step_latency = Histogram(
+            "rlfeed_step_latency_seconds",
+            "From a step's last group completing to its last rank fetching it.",
+            buckets=STEP_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.steps_served = counter("rlfeed_steps_served", "Steps fetched by every rank.")
+        self.batch_fetches = counter("rlfeed_batch_fetches", "First fetches of (step, rank).")
+        self.batch_refetches = counter(
+            "rlfeed_batch_refetches", "Repeated fetches of a (step, rank) (trainer restarts)."
+        )
+        self.trainer_lag = gauge(
+            "rlfeed_trainer_lag_steps", "Newest assembled step - slowest rank's fetched step."
+        )
+        self.steps_waiting = gauge(
+            "rlfeed_steps_waiting", "Assembled steps not yet fetched by every rank."
+        )
+
+    def observe_step(self, f: StepFigures, price: StepPrice) -> None:
+        """Set the newest-step gauges and add the step to the counters."""
+        for gauge, value in (
+            (self.step, f.step),
+            (self.step_rollouts, f.num_rollouts),
+            (self.step_policy_tokens, f.policy_token_count),
+            (self.step_real_tokens, f.real_tokens),
+            (self.step_computed, f.computed_positions),
+            (self.step_padded, f.padded_positions),
+            (self.step_padding, f.padding_ratio),
+            (self.step_padded_padding, f.padded_alternative_padding_ratio),
+            (self.step_fill, f.fill_ratio),
+            (self.step_microbatches, f.microbatches),
+            (self.step_microbatches_per_rank, f.microbatches_per_rank),
+            (self.step_largest, f.largest_microbatch_positions),
+            (self.step_imbalance, f.rank_imbalance_excess),
+            (self.step_lockstep, f.lockstep_efficiency),
+            (self.step_token_budget, f.token_budget),
+            (self.step_avoided_gpu_seconds, price.padding_avoided_gpu_seconds),
+        ):
+            gauge.set(value)
+        groups, zero = f.groups_considered, f.zero_advantage_groups_considered
+        self.step_zero_share.set(zero / groups if groups else 0.0)
+        for counter, amount in (
+            (self.steps_assembled, 1),
+            (self.rollouts_trained, f.num_rollouts),
+            (self.policy_tokens, f.policy_token_count),
+            (self.real_tokens, f.real_tokens),
+            (self.computed_positions, f.computed_positions),
+            (self.padded_positions, f.padded_positions),
+            (self.microbatches, f.microbatches),
+            (self.budget_tokens, f.microbatches * f.token_budget),
+            (self.groups, groups),
+            (self.zero_groups, zero),
+            (self.padding_gpu_seconds, price.padding_gpu_seconds),
+            (self.avoided_gpu_seconds, price.padding_avoided_gpu_seconds),
+        ):
+            counter.inc(amount)
+        for phase, seconds in price.gpu_seconds.items():
+            self.step_gpu_seconds.labels(phase=phase).set(seconds)
+            self.gpu_seconds.labels(phase=phase).inc(seconds)

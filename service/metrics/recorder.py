@@ -1,0 +1,455 @@
+"""Prometheus metrics of the sidecar: what the chapter measures by hand, live.
+
+`RlfeedMetrics` owns a private `prometheus_client.CollectorRegistry` (never the global one,
+so two sidecars or a test can share a process) and update methods that take plain values
+and the service's own records; it imports neither gRPC nor Ray and starts nothing. The HTTP
+endpoint is `rlfeed.service.metrics.http.MetricsServer`; the metric definitions are in
+`rlfeed.service.metrics.families`, the per-step figures and their price in
+`rlfeed.service.metrics.figures`. No label carries a task, group or rollout id.
+
+Wiring: `rlfeed.service.metrics.exporter` (`MetricsEvents`, the gRPC front-end's hooks
+forwarded here; `SidecarExporter`, what `rlfeed serve --metrics-port` runs). Each update is
+cheap and thread-safe; `on_step` takes the scheduler's `StepRecord` or anything with its
+field names (the proto's StepStats has them too).
+
+Definitions where a number could mean several things:
+- fill: real tokens / (world_size x microbatches_per_rank x token_budget), the share of the
+  step's microbatch slots (no-op microbatches included) that holds real tokens.
+- zero-advantage group share: zero-advantage groups / groups considered for the step,
+  counting the groups drop_zero_advantage discarded while the step was filling.
+- rollouts saved by the filter: (tasks requested - tasks drawn from inside the filter) x
+  group_size summed over SampleTasks calls: rollouts not spent because fewer tasks than
+  requested passed the filter (the proto's Counters.rollouts_saved_by_filter). Never
+  negative; the revisits of excluded tasks are their own counter (their cost is revisits x
+  group_size).
+- predicted GPU time: `sched.throughput.step_cost_from_tokens` on the step's token counts,
+  model and GPU: phase "decode" prices the policy tokens generated for the step (the kept
+  rollouts', or `generated_policy_tokens` when given), "train" and "logprob" the positions
+  the ranks compute. Padding avoided: the padding GPU time of the padded alternative minus
+  the plan's (training + log-prob passes over padded - computed positions). In GPU-seconds
+  (base unit); divide by 3600 for GPU-hours. Stale rollouts are not priced.
+- step latency: from `ready_time` (before the step was assembled, i.e. its last group
+  complete) to the first fetch by its last rank. Trainer lag: newest assembled step minus
+  the slowest rank's newest fetched step (-1 before its first fetch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+from prometheus_client import generate_latest
+from rlfeed.service.metrics.families import (
+    PASS_RATE_BUCKETS,
+    PHASES,
+    REJECT_REASONS,
+    MetricFamilies,
+)
+from rlfeed.service.metrics.figures import (
+    CostAssumptions,
+    StepFigures,
+    StepPrice,
+    price_step,
+    share,
+)
+
+if TYPE_CHECKING:
+    from rlfeed.service.metrics.layout_plot import StepLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MetricsConfig:
+    """What the exporter needs to know about the run."""
+
+    cost: CostAssumptions = field(default_factory=CostAssumptions)  # step pricing
+    world_size: int = 1  # trainer ranks; bounds the `rank` label; default 1
+    token_budget: int = 65536  # tokens per microbatch (fill, layout width); default 65,536
+    zero_advantage_window_steps: int = 20  # trailing window of the zero-advantage share; 20
+    max_tracked_steps: int = 4096  # steps remembered for served/lag bookkeeping; 4096
+    refresh_interval_s: float = 0.5  # least time between two refresh() calls; default 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "token_budget", "zero_advantage_window_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MetricsConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tracked_steps < 1 or self.refresh_interval_s < 0:
+            raise ValueError("MetricsConfig: max_tracked_steps >= 1, refresh_interval_s >= 0")
+
+    @classmethod
+    def from_sidecar_config(cls, config: Any) -> MetricsConfig:
+        """From a `service.config.SidecarConfig`: the [accounting] fields CostAssumptions
+        has (model, gpu, mfu, and the decode fields if that section grows them) and
+        [batching] world_size and token_budget."""
+        names = set(CostAssumptions.__dataclass_fields__)
+        accounting = {k: v for k, v in vars(config.accounting).items() if k in names}
+        return cls(
+            cost=CostAssumptions(**accounting),
+            world_size=config.batching.world_size,
+            token_budget=config.batching.token_budget,
+        )
+
+
+def pass_rate_bucket_counts(pass_rates: ArrayLike) -> np.ndarray:
+    """int64 [len(PASS_RATE_BUCKETS)]: tasks whose estimate is <= each bucket bound."""
+    rates = np.sort(np.asarray(pass_rates, dtype=np.float64).ravel())
+    return np.searchsorted(rates, PASS_RATE_BUCKETS, side="right").astype(np.int64)
+
+
+# (phrase in the error message, reason), first match wins: the messages of
+# service/validation.py, service/codec.py and service/scheduler.py.
+_REASON_PHRASES: tuple[tuple[str, str], ...] = (
+    ("buffer full", "buffer_full"),
+    ("longer than the token budget", "too_long"),
+    ("is not finite", "non_finite"),
+    ("is outside [", "token_out_of_range"),
+    ("unknown task", "unknown_task"),
+    ("duplicate in this batch", "duplicate_in_batch"),
+    ("entries but token_ids has", "length_mismatch"),
+    ("empty sequence", "length_mismatch"),
+    ("field action_mask", "bad_action_mask"),
+    ("is negative; versions", "bad_policy_version"),
+    ("ahead of the newest policy version", "bad_policy_version"),
+    ("group_size", "group_overflow"),
+    ("belongs to task", "group_overflow"),
+    ("arrow_ipc", "malformed"),
+    ("null", "malformed"),
+    ("empty", "malformed"),
+)
+
+
+def reject_reason(error: BaseException | str) -> str:
+    """The REJECT_REASONS value of a rejected batch's error: its `reason` attribute when it
+    has one, else classified from the message ("other" when nothing matches)."""
+    reason = getattr(error, "reason", None)
+    if reason in REJECT_REASONS:
+        return reason
+    message = str(error)
+    return next((r for phrase, r in _REASON_PHRASES if phrase in message), "other")
+
+
+class RlfeedMetrics:
+    """All sidecar metrics on a private registry, plus the newest step's layout picture."""
+
+    def __init__(self, config: MetricsConfig | None = None) -> None:
+        self.config = config or MetricsConfig()
+        self.families = MetricFamilies(self.config.cost, self.config.zero_advantage_window_steps)
+        self.registry = self.families.registry
+        self._lock = threading.Lock()
+        self._zero_window: deque[tuple[int, int]] = deque(
+            maxlen=self.config.zero_advantage_window_steps
+        )
+        self._newest_step = -1
+        self._last_fetched = [-1] * self.config.world_size
+        self._ready_time: dict[int, float] = {}  # assembled, not fully served -> ready_time
+        self._fetched: dict[int, set[int]] = {}  # step -> ranks that fetched it
+        self._served: deque[int] = deque(maxlen=self.config.max_tracked_steps)
+        self._responses: dict[int, dict[int, Any]] = {}  # step -> rank -> response, for layout
+        self._saved_rollouts = 0
+        self._rollouts_requested = 0
+        self._layout: tuple[int, Any] | None = None  # (step, StepLayout or callable)
+        self._layout_png: tuple[int, bytes] | None = None
+        self._render_lock = threading.Lock()
+        self._refresh: Callable[[], None] | None = None
+        self._refreshed_at = float("-inf")
+
+    # ---------------------------------------------------------------- ingest
+    def on_ingest(
+        self,
+        *,
+        accepted: int,
+        accepted_tokens: int | None = None,
+        duplicate: int = 0,
+        stale: int = 0,
+        stale_tokens: int = 0,
+        ack_seconds: float | None = None,
+        buffered_rollouts: int | None = None,
+        buffered_bytes: int | None = None,
+        newest_policy_version: int | None = None,
+    ) -> None:
+        """One acknowledged batch (the numbers of its SubmitAck, plus timing)."""
+        m = self.families
+        m.ingest_batches.inc()
+        m.rollouts_accepted.inc(accepted)
+        if accepted_tokens is not None:
+            m.tokens_accepted.inc(accepted_tokens)
+        m.rollouts_duplicate.inc(duplicate)
+        self.on_stale(rollouts=stale, tokens=stale_tokens)
+        if ack_seconds is not None:
+            m.ack_latency.observe(ack_seconds)
+        if buffered_rollouts is not None:
+            m.buffered_rollouts.set(buffered_rollouts)
+        if buffered_bytes is not None:
+            m.buffered_bytes.set(buffered_bytes)
+        if newest_policy_version is not None:
+            m.newest_policy_version.set(newest_policy_version)
+
+    def on_reject(self, reason: str, rollouts: int, tokens: int = 0) -> None:
+        """One rejected batch; a `reason` outside REJECT_REASONS counts as "other"."""
+        reason = reason if reason in REJECT_REASONS else "other"
+        self.families.batches_rejected.labels(reason=reason).inc()
+        self.families.rollouts_rejected.labels(reason=reason).inc(rollouts)
+        self.families.tokens_rejected.labels(reason=reason).inc(tokens)
+
+    def on_stale(self, *, rollouts: int, tokens: int = 0) -> None:
+        """Rollouts dropped for max_policy_lag (at ingest or when their group went stale)."""
+        self.families.rollouts_stale.inc(rollouts)
+        self.families.tokens_stale.inc(tokens)
+
+    def on_status(self, snapshot: Any, pass_rates: ArrayLike | None = None) -> None:
+        """Levels from a `service.scheduler.StatusSnapshot` (or a proto StatusResponse):
+        buffer, filter sizes, newest policy version; `pass_rates` [T] if known."""
+        m = self.families
+        m.buffered_rollouts.set(snapshot.buffered_rollouts)
+        m.buffered_bytes.set(snapshot.buffered_bytes)
+        m.newest_policy_version.set(snapshot.newest_policy_version)
+        self.on_curriculum(
+            tasks_inside=snapshot.tasks_inside_filter,
+            tasks_outside=snapshot.tasks_total - snapshot.tasks_inside_filter,
+            pass_rates=pass_rates,
+        )
+
+    # ---------------------------------------------------------------- steps
+    def on_step(
+        self,
+        record: Any,
+        *,
+        ready_time: float | None = None,
+        layout: StepLayout | Callable[[], StepLayout | None] | None = None,
+        generated_policy_tokens: int | None = None,
+        generated_tokens: int | None = None,
+    ) -> None:
+        """One assembled step: `record` has the fields of `service.scheduler.StepRecord`.
+
+        ready_time: time.time() when the step's last group completed (for step latency).
+        layout: what /layout.png draws for this step, a StepLayout or a zero-argument
+        callable called only when the picture is asked for. Without it the picture is
+        built from the responses passed to `on_served` once every rank fetched the step.
+        """
+        figures = StepFigures.from_record(
+            record,
+            world_size=self.config.world_size,
+            token_budget=self.config.token_budget,
+            generated_policy_tokens=generated_policy_tokens,
+            generated_tokens=generated_tokens,
+        )
+        self.families.observe_step(figures, price_step(figures, self.config.cost))
+        groups, zero = figures.groups_considered, figures.zero_advantage_groups_considered
+        with self._lock:
+            self._zero_window.append((groups, zero))
+            self.families.window_zero_share.set(
+                share(sum(z for _, z in self._zero_window), sum(g for g, _ in self._zero_window))
+            )
+            self._newest_step = max(self._newest_step, figures.step)
+            if figures.step not in self._served:
+                self._fetched.setdefault(figures.step, set())
+                if ready_time is not None:
+                    self._ready_time[figures.step] = ready_time
+            if layout is not None:
+                self._set_layout(figures.step, layout)
+            self._forget_old_steps()
+            self._update_progress()
+
+    def on_served(
+        self,
+        step: int,
+        rank: int,
+        latency_seconds: float | None = None,
+        *,
+        response: Any = None,
+        now: float | None = None,
+    ) -> None:
+        """Rank `rank` fetched step `step` (`response`: its GetBatchResponse or the bytes).
+
+        A step is served when its last rank fetches it the first time; its latency is
+        `latency_seconds`, or else `now` (time.time()) minus the step's ready_time."""
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.config.world_size})")
+        m = self.families
+        with self._lock:
+            if step in self._served or rank in self._fetched.get(step, ()):
+                m.batch_refetches.inc()
+                return
+            m.batch_fetches.inc()
+            ranks = self._fetched.setdefault(step, set())
+            ranks.add(rank)
+            self._last_fetched[rank] = max(self._last_fetched[rank], step)
+            if response is not None and step >= self._newest_layout_step():
+                self._responses.setdefault(step, {})[rank] = response
+            if len(ranks) == self.config.world_size:
+                del self._fetched[step]
+                self._served.append(step)
+                m.steps_served.inc()
+                ready = self._ready_time.pop(step, None)
+                if latency_seconds is None and ready is not None:
+                    latency_seconds = (time.time() if now is None else now) - ready
+                if latency_seconds is not None:
+                    m.step_latency.observe(max(latency_seconds, 0.0))
+                responses = self._responses.pop(step, {})
+                if len(responses) == self.config.world_size:
+                    self._set_layout(step, _ResponsesLayout(responses, self.config.token_budget))
+            self._forget_old_steps()
+            self._update_progress()
+
+    def _newest_layout_step(self) -> int:
+        return self._layout[0] if self._layout is not None else -1
+
+    def _set_layout(self, step: int, source: Any) -> None:
+        if step >= self._newest_layout_step():
+            self._layout, self._layout_png = (step, source), None
+            for old in [s for s in self._responses if s <= step]:
+                del self._responses[old]
+
+    def _forget_old_steps(self) -> None:
+        limit = self.config.max_tracked_steps
+        for table in (self._fetched, self._ready_time):
+            while len(table) > limit:
+                del table[min(table)]
+        while len(self._responses) > 2:  # memory: only the newest steps' responses
+            del self._responses[min(self._responses)]
+
+    def _update_progress(self) -> None:
+        if self._newest_step >= 0:
+            self.families.trainer_lag.set(self._newest_step - min(self._last_fetched))
+        self.families.steps_waiting.set(sum(1 for s in self._fetched if s <= self._newest_step))
+
+    # ---------------------------------------------------------------- curriculum
+    def on_task_sample(
+        self, *, requested: int, returned: int, revisits: int, group_size: int
+    ) -> None:
+        """One SampleTasks call: `requested` tasks asked (n resolved), `returned` given
+        back, `revisits` of them from outside the filter."""
+        if not 0 <= revisits <= returned:
+            raise ValueError(f"revisits ({revisits}) must be in [0, returned={returned}]")
+        m = self.families
+        m.sample_requests.inc()
+        m.tasks_requested.inc(requested)
+        m.tasks_sampled.inc(returned)
+        m.revisits.inc(revisits)
+        m.rollouts_requested.inc(requested * group_size)
+        m.rollouts_sampled.inc(returned * group_size)
+        with self._lock:
+            saved_now = (requested - (returned - revisits)) * group_size
+            self._saved_rollouts += saved_now
+            self._rollouts_requested += requested * group_size
+            m.rollouts_saved.inc(saved_now)
+            saved = share(self._saved_rollouts, self._rollouts_requested)
+            m.rollouts_saved_share.set(min(saved, 1.0))
+
+    def on_curriculum(
+        self, *, tasks_inside: int, tasks_outside: int, pass_rates: ArrayLike | None = None
+    ) -> None:
+        """The curriculum now: filter sizes and (optionally) every task's estimate [T], of
+        which only the bucket counts are kept."""
+        self.families.tasks.labels(filter="inside").set(tasks_inside)
+        self.families.tasks.labels(filter="outside").set(tasks_outside)
+        if pass_rates is not None:
+            rates = np.asarray(pass_rates, dtype=np.float64).ravel()
+            self.families.pass_rates.update(
+                pass_rate_bucket_counts(rates), int(rates.size), float(rates.sum())
+            )
+
+    # ---------------------------------------------------------------- trainers
+    def on_trainer_report(
+        self,
+        *,
+        step: int,
+        rank: int,
+        loss: float,
+        ratio_outlier_share: float,
+        tokens_per_second: float,
+        step_seconds: float | None = None,
+    ) -> None:
+        """What rank `rank` measured for step `step` (a TrainerReport). A value that is None
+        or not finite (NaN: not measured this step, e.g. the ratio outlier share, which
+        trainers measure at their first step only) leaves its gauge as it was."""
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.config.world_size})")
+        m, label = self.families, str(rank)
+        m.trainer_reports.inc()
+        m.trainer_step.labels(rank=label).set(step)
+        for gauge, value in (
+            (m.trainer_loss, loss),
+            (m.trainer_outliers, ratio_outlier_share),
+            (m.trainer_tps, tokens_per_second),
+            (m.trainer_step_seconds, step_seconds),
+        ):
+            if value is not None and math.isfinite(value):
+                gauge.labels(rank=label).set(value)
+
+    # ---------------------------------------------------------------- output
+    def set_refresh(self, refresh: Callable[[], None] | None) -> None:
+        """A callable run before an exposition (at most every refresh_interval_s) to pull
+        levels from the scheduler, e.g. `on_status(...)`; its errors are logged."""
+        self._refresh = refresh
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (what /metrics serves)."""
+        refresh = self._refresh
+        now = time.monotonic()
+        if refresh is not None and now - self._refreshed_at >= self.config.refresh_interval_s:
+            self._refreshed_at = now
+            try:
+                refresh()
+            except Exception:  # a slow or failed pull must not break the scrape
+                log.exception("metrics refresh failed")
+        return generate_latest(self.registry)
+
+    def latest_layout_png(self) -> tuple[int, bytes] | None:
+        """(step, PNG) of the newest step with a layout, rendered on first request and
+        cached; None when there is none. Raises ImportError without matplotlib."""
+        with self._lock:
+            latest, cached = self._layout, self._layout_png
+        if latest is None:
+            return None
+        step, source = latest
+        if cached is not None and cached[0] == step:
+            return cached
+        from rlfeed.service.metrics.layout_plot import StepLayout, render_layout_png
+
+        with self._render_lock:  # one render at a time; matplotlib is not free
+            layout = source if isinstance(source, StepLayout) else source()
+            if layout is None:
+                return None
+            png = (step, render_layout_png(layout))
+        with self._lock:
+            if self._layout is not None and self._layout[0] == step:
+                self._layout_png = png
+        return png
+
+
+class _ResponsesLayout:
+    """A lazy layout source: every rank's GetBatchResponse of one step."""
+
+    def __init__(self, responses: dict[int, Any], token_budget: int) -> None:
+        self.responses = [responses[rank] for rank in sorted(responses)]
+        self.token_budget = token_budget
+
+    def __call__(self) -> StepLayout:
+        from rlfeed.service.metrics.layout_plot import layout_from_batch_responses
+
+        return layout_from_batch_responses(self.responses, token_budget=self.token_budget)
+
+
+__all__: Sequence[str] = (
+    "PASS_RATE_BUCKETS",
+    "PHASES",
+    "REJECT_REASONS",
+    "CostAssumptions",
+    "MetricsConfig",
+    "RlfeedMetrics",
+    "StepFigures",
+    "StepPrice",
+    "pass_rate_bucket_counts",
+    "price_step",
+    "reject_reason",
+)

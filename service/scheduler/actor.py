@@ -1,0 +1,253 @@
+"""The named Ray actor that hosts the sidecar's `Scheduler` (a thin shell, no logic).
+
+One actor per sidecar, named `config.ray.actor_name` in `config.ray.namespace`, so any
+process of the Ray cluster (`rlfeed status` tooling, the metrics exporter, front-end
+replicas) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
+what makes the scheduler's state changes a journal-able sequence.
+
+Bulk data stays out of the actor's method queue: `ingest` gets small metadata arrays and
+a handle of each batch's TokenColumns (one call for the batches that reach a front-end
+while its previous call is in flight), which stay in the memory of
+the gRPC front-end that decoded them (no copy into the object store). A batch that makes
+steps ready has them planned in the same call; the reply carries each step's work, and the
+front-end materializes and serves it (the bulk work stays out of the actor), then tells the
+actor with a `StoreStepNote`. Such notes, and `FetchNote`s of first fetches the front-end
+answered from its memory, ride along with the front-end's next call (`notes`, applied
+first, in order) instead of costing a call each: on a small machine each Ray call costs
+the front-end about a millisecond of its single interpreter. The actor keeps each rank's
+response handle until the step is released (`retained_steps`): the marker of the
+front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
+object reference. A replica leaving hands what it holds to this actor (`adopt_payloads`,
+`adopt_step`), which puts it into the object store itself, so that it outlives that
+process.
+Front-ends register with their peer address (`register_frontend`), so they can fetch from
+each other; what the scheduler stops needing is sorted per front-end
+(`_take_releases`) and handed over with its next `ingest` or `sync` answer.
+
+Expected failures come back as values rather than as Ray-wrapped exceptions: `("ok",
+result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest` an
+`IngestReply` per batch whose `kind` says the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.frontend.validation import InvalidBatchError
+from rlfeed.service.scheduler.records import FetchNote, IngestReply, Releases, StoreStepNote
+from rlfeed.service.scheduler.state import BackpressureError, BatchMeta, Scheduler
+
+_log = logging.getLogger("rlfeed.service.scheduler.actor")
+_MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
+
+
+@dataclass
+class _FrontEnd:
+    """A registered front-end: where its peers reach it, and what it may free, kept until
+    its next call that answers with `Releases`."""
+
+    peer_address: str
+    released_keys: list[int] = field(default_factory=list)
+    released_steps: list[int] = field(default_factory=list)
+
+
+class SchedulerActor:
+    """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        # Never materializes (front-ends do); reports what it stops needing.
+        self._scheduler = Scheduler(config, track_releases=True)
+        self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
+        self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
+        self._sidecar_stopping = False  # see stop_sidecar
+
+    def ping(self) -> bool:
+        return True
+
+    def register_frontend(self, frontend_id: str, peer_address: str) -> None:
+        """A front-end joined: other front-ends reach the ingest batches and responses it
+        holds at `peer_address`; releases are kept for it from now on."""
+        self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
+
+    def unregister_frontend(self, frontend_id: str) -> None:
+        """A front-end stopped: no more releases are kept for it."""
+        self._frontends.pop(frontend_id, None)
+
+    def frontend_addresses(self) -> dict[str, str]:
+        """Front-end id -> peer address, of every registered front-end."""
+        return {frontend_id: f.peer_address for frontend_id, f in self._frontends.items()}
+
+    def register_tasks(self, task_ids: list[str]) -> tuple[str, Any]:
+        try:
+            return "ok", self._scheduler.register_tasks(task_ids)
+        except ValueError as exc:
+            return "invalid", str(exc)
+
+    def sample_tasks(self, n: int) -> tuple[str, Any]:
+        return "ok", self._scheduler.sample_tasks(n)
+
+    def sync(self, frontend_id: str, notes: list) -> Releases:
+        """Apply a front-end's notes; returns what it may free now."""
+        self.apply_notes(notes)
+        return self._take_releases(frontend_id)
+
+    def apply_notes(self, notes: list) -> None:
+        """Apply a front-end's StoreStepNote / FetchNote records, in order. A note the
+        scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
+        fail the call it rode along with or take the notes after it down."""
+        for note in notes:
+            try:
+                if isinstance(note, StoreStepNote):
+                    self._scheduler.store_step(note.step, note.handles, note.response_bytes)
+                elif isinstance(note, FetchNote):
+                    self._scheduler.fetch_batch(note.step, note.rank)
+                else:
+                    raise ValueError("unknown kind of note")
+            except ValueError:
+                self._notes_refused += 1
+                _log.exception("rlfeed scheduler: note %r refused", note)
+
+    def _take_releases(self, frontend_id: str) -> Releases:
+        """Sort what the scheduler released since the last call by front-end (a batch goes
+        to the front-end holding it, a step to every front-end: any may hold its bytes)
+        and hand `frontend_id` its share."""
+        payloads, steps = self._scheduler.take_releases()
+        for handle in payloads:
+            if not isinstance(handle, tuple):  # [ObjectRef]: freed with this reference
+                continue
+            owner, key = handle
+            if owner in self._frontends:  # a front-end that left took its memory along
+                self._frontends[owner].released_keys.append(key)
+        if steps:
+            for front_end in self._frontends.values():
+                front_end.released_steps.extend(steps)
+                # A front-end that stopped calling must not grow this without bound; a step
+                # it misses leaves its memory with the cache limit instead.
+                del front_end.released_steps[:-_MAX_PENDING_STEP_RELEASES]
+        front_end = self._frontends.get(frontend_id)
+        if front_end is None:
+            return Releases()
+        releases = Releases(payload_keys=front_end.released_keys, steps=front_end.released_steps)
+        front_end.released_keys, front_end.released_steps = [], []
+        return releases
+
+    def ingest(
+        self, frontend_id: str, notes: list, batches: list[tuple[BatchMeta, Any]]
+    ) -> list[IngestReply]:
+        """Apply `notes`, then each (metadata, payload handle) batch in order, exactly as
+        that many single calls would: buffer it, plan every step it made ready. Batches
+        that arrived at a front-end together share the call (`IngestGroups`). The last
+        reply carries what the front-end may free."""
+        self.apply_notes(notes)
+        replies = [self._ingest_one(meta, payload) for meta, payload in batches]
+        if replies:
+            replies[-1] = replace(replies[-1], releases=self._take_releases(frontend_id))
+        return replies
+
+    def _ingest_one(self, meta: BatchMeta, payload: Any) -> IngestReply:
+        try:
+            result = self._scheduler.ingest_batch(meta, payload)
+        except (InvalidBatchError, BackpressureError) as exc:
+            self._scheduler.record_rejection()
+            kind = "invalid" if isinstance(exc, InvalidBatchError) else "backpressure"
+            return IngestReply(kind=kind, result=None, message=str(exc))
+        work = self._scheduler.plan_ready_steps() if result.steps_ready else []
+        return IngestReply(kind="ok", result=result, work=work)
+
+    def record_rejection(self, frontend_id: str, notes: list) -> None:
+        self.apply_notes(notes)
+        self._scheduler.record_rejection()
+
+    def held_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` still stored (not released)."""
+        return self._scheduler.held_steps(steps)
+
+    def adopt_payloads(self, frontend_id: str, notes: list, columns: dict[int, Any]) -> list[int]:
+        """A front-end leaving hands over the ingest batches it holds (key -> TokenColumns):
+        they go into the object store, put there by this actor so that they outlive that
+        process, and their handles (frontend_id, key) become [ObjectRef]. Returns the
+        unstored steps whose work still names the old handles."""
+        self.apply_notes(notes)
+        return self._scheduler.rehome_payloads(
+            {(frontend_id, key): [ray.put(batch)] for key, batch in columns.items()}
+        )
+
+    def unstored_steps(self, steps: list[int]) -> list[int]:
+        return self._scheduler.unstored_steps(steps)
+
+    def adopt_step(self, step: int, responses: list[bytes]) -> bool:
+        """A front-end leaving hands over a held step's bytes: they go into the object
+        store, put there by this actor (they outlive the front-end), and that reference
+        is served from now on. False if the step was released meanwhile (nothing kept)."""
+        if not self._scheduler.held_steps([step]):
+            return False
+        return self._scheduler.move_step(step, [[ray.put(r)] for r in responses])
+
+    def move_step(self, step: int, responses: list[list]) -> bool:
+        """A front-end moved a held step's bytes into the object store (its memory is
+        full): responses[rank] = [ObjectRef]; False if the step was released meanwhile."""
+        return self._scheduler.move_step(step, responses)
+
+    def stop_sidecar(self) -> None:
+        """The first front-end is stopping the whole sidecar: replicas stopping now have
+        nothing to hand over."""
+        self._sidecar_stopping = True
+
+    def sidecar_stopping(self) -> bool:
+        return self._sidecar_stopping
+
+    def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
+        """("ready", that rank's handle, see store_step) | ("waiting", next_step) |
+        ("released", next_step) | ("invalid", message)."""
+        try:
+            result = self._scheduler.fetch_batch(step, rank)
+        except ValueError as exc:
+            return "invalid", str(exc)
+        if result.ready:
+            return "ready", result.payload
+        return ("released" if result.released else "waiting"), self._scheduler.next_step
+
+    def record_report(self, rank: int, report: dict[str, float]) -> tuple[str, Any]:
+        """("ok", None) | ("invalid", message): a rank outside the world or a negative step."""
+        try:
+            self._scheduler.record_report(rank, report)
+        except ValueError as exc:
+            return "invalid", str(exc)
+        return "ok", None
+
+    def status(self) -> Any:
+        return replace(
+            self._scheduler.status(),
+            front_ends=len(self._frontends),
+            notes_refused=self._notes_refused,
+        )
+
+    def step_records(self, since_step: int = 0) -> list:
+        """Step statistics with step >= since_step (for the metrics exporter)."""
+        return [r for r in self._scheduler.step_records if r.step >= since_step]
+
+    def pass_rate_estimates(self) -> Any:
+        """float64 [tasks]: every task's pass-rate estimate (the metrics' histogram)."""
+        return self._scheduler.pass_rate_estimates()
+
+
+def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
+    """Start the named scheduler actor; RuntimeError if one with that name already runs."""
+    name, namespace = config.ray.actor_name, config.ray.namespace
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        pass
+    else:
+        raise RuntimeError(
+            f"a scheduler actor named {name!r} already runs in Ray namespace {namespace!r} "
+            "(another rlfeed serve?); set [ray] actor_name to run a second sidecar"
+        )
+    actor_class = ray.remote(SchedulerActor)
+    handle = actor_class.options(name=name, namespace=namespace, max_restarts=0).remote(config)
+    ray.get(handle.ping.remote())  # surface construction errors here, not on first use
+    return handle

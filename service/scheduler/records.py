@@ -1,0 +1,211 @@
+"""The values the scheduler takes and returns: small, plain, picklable records.
+
+`BatchMeta` is the per-rollout metadata of one ingest call; `IngestResult`, `FetchResult`,
+`SampleResult` and `StatusSnapshot` are answers; `StepRecord` and `Counters` are the
+statistics the metrics exporter publishes (`StepRecord` per assembled step, `Counters`
+monotonic since start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rlfeed.service.frontend.codec import RolloutBatchArrays
+
+
+class BackpressureError(RuntimeError):
+    """The buffer is full (max_buffered_rollouts); the batch was not taken. Retry later."""
+
+    reason = "buffer_full"  # the metrics' reject reason
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Per-rollout metadata of one validated batch, n rows (the small part of a batch)."""
+
+    rollout_ids: list[str]
+    task_ids: list[str]
+    group_ids: list[str]
+    policy_versions: np.ndarray  # int64 [n]
+    rewards: np.ndarray  # float64 [n]
+    lengths: np.ndarray  # int64 [n] tokens
+    policy_tokens: np.ndarray  # int64 [n] action-mask tokens
+
+    @classmethod
+    def from_arrays(cls, batch: RolloutBatchArrays) -> BatchMeta:
+        return cls(
+            rollout_ids=batch.rollout_ids,
+            task_ids=batch.task_ids,
+            group_ids=batch.group_ids,
+            policy_versions=np.asarray(batch.policy_versions, dtype=np.int64),
+            rewards=np.asarray(batch.rewards, dtype=np.float64),
+            lengths=batch.lengths.astype(np.int64),
+            policy_tokens=batch.policy_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicate: int
+    stale: int
+    newest_policy_version: int
+    buffered_rollouts: int
+    steps_ready: int  # steps `assemble_ready_steps` would assemble now
+    accepted_tokens: int = 0  # tokens of the accepted rollouts
+    # Rollouts of earlier batches dropped by this call because their group went stale (the
+    # newest policy version moved on); `stale` counts this batch's own stale rollouts.
+    stale_buffered: int = 0
+    stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
+
+
+@dataclass(frozen=True)
+class StoreStepNote:
+    """A front-end stored a planned step's responses (`Scheduler.store_step`), sent to
+    the actor with its next call instead of as a call of its own."""
+
+    step: int
+    handles: list[Any]  # per rank: the front-end's marker, or [ObjectRef]
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class FetchNote:
+    """A rank's first fetch of a step, answered by the front-end from its memory
+    (`Scheduler.fetch_batch`); sent like StoreStepNote, after the step's note."""
+
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Releases:
+    """What one front-end may free now: its ingest batches (by key) that nothing reads any
+    more (no buffered rollout, no step still to be stored), and the steps no longer
+    servable (whichever front-end holds their responses drops them)."""
+
+    payload_keys: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IngestReply:
+    """The actor's answer to one batch of an ingest call: the batch's outcome, the work of
+    every step it made ready (planned in the same call) and, on the call's last batch, what
+    the calling front-end may free."""
+
+    kind: str  # "ok" | "invalid" | "backpressure"
+    result: IngestResult | None  # for "ok"
+    message: str = ""  # for "invalid" / "backpressure"
+    work: list[Any] = field(default_factory=list)  # StepWork, in step order
+    releases: Releases = field(default_factory=Releases)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    ready: bool  # the step is assembled and still held
+    released: bool = False  # the step was assembled but is no longer held
+    payload: Any = None  # what store_step kept for the rank: response bytes or a handle
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Statistics of one assembled step (the metrics exporter publishes these)."""
+
+    step: int
+    num_rollouts: int
+    num_groups: int
+    zero_advantage_groups: int
+    zero_advantage_groups_dropped: int
+    policy_token_count: int
+    real_tokens: int
+    computed_positions: int
+    padded_positions: int
+    largest_microbatch_positions: int
+    rank_imbalance: float
+    lockstep_efficiency: float
+    microbatches_per_rank: int
+    policy_version: int
+    min_policy_version: int
+    response_bytes: int
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Any,
+        *,
+        step: int,
+        zero_advantage_groups_dropped: int,
+        policy_versions: tuple[int, int],
+    ) -> StepRecord:
+        """The record of `plan` (a `sched.assembly.StepPlan`) as step `step`, before its
+        responses are stored (response_bytes 0); policy_versions = (newest, oldest)."""
+        return cls(
+            step=step,
+            num_rollouts=int(plan.kept.size),
+            num_groups=plan.num_groups,
+            zero_advantage_groups=plan.zero_advantage_groups,
+            zero_advantage_groups_dropped=zero_advantage_groups_dropped,
+            policy_token_count=plan.policy_token_count,
+            real_tokens=plan.real_tokens,
+            computed_positions=plan.computed_positions,
+            padded_positions=plan.padded_positions,
+            largest_microbatch_positions=plan.largest_microbatch_positions,
+            rank_imbalance=plan.rank_imbalance,
+            lockstep_efficiency=plan.lockstep_efficiency,
+            microbatches_per_rank=plan.microbatches_per_rank,
+            policy_version=policy_versions[0],
+            min_policy_version=policy_versions[1],
+            response_bytes=0,
+        )
+
+
+@dataclass
+class Counters:
+    """Monotonic counters since start (exported as Prometheus `_total` counters later)."""
+
+    rollouts_received: int = 0
+    rollouts_accepted: int = 0
+    rollouts_duplicate: int = 0
+    rollouts_stale: int = 0
+    batches_rejected: int = 0
+    zero_advantage_groups: int = 0
+    zero_advantage_rollouts_dropped: int = 0
+    steps_assembled: int = 0
+    rollouts_trained: int = 0
+    policy_tokens_assembled: int = 0
+    trainer_reports: int = 0
+    tasks_requested: int = 0
+    tasks_sampled: int = 0
+    revisits_sampled: int = 0
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    task_ids: list[str]
+    revisit: list[bool]
+    pass_rate: list[float]
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    next_step: int
+    buffered_rollouts: int
+    buffered_bytes: int
+    open_groups: int
+    complete_groups: int
+    tasks_total: int
+    tasks_inside_filter: int
+    newest_policy_version: int
+    steps_waiting: dict[int, list[int]]  # step -> ranks that have not fetched it
+    counters: Counters
+    last_step: StepRecord | None
+    last_reports: dict[int, dict[str, float]]
+    # Idempotency memory: rollout ids remembered (buffered groups' and the remembered closed
+    # groups'), and closed groups remembered (at most `dedup_window_groups`).
+    remembered_rollout_ids: int = 0
+    remembered_closed_groups: int = 0
+    front_ends: int = 0  # registered with the scheduler actor (set by the actor)
+    notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)

@@ -1,0 +1,650 @@
+"""The sidecar's scheduling state and logic, as a plain Python class (no Ray, no gRPC).
+
+`Scheduler` owns the task pool and its pass-rate estimates, the buffered groups, the
+assembled steps and the counters. Every state change is one of a few explicit methods
+(`register_tasks`, `sample_tasks`, `ingest_batch`, `assemble_ready_steps`, `fetch_batch`,
+`record_report`, `record_rejection`), each deterministic given its arguments and the
+state, so a write-ahead journal can record the calls and replay them to the same state
+and the same served bytes. `service/actors.py` hosts one instance in a named Ray actor.
+
+Bulk token data never passes through here row by row: `ingest_batch` receives per-rollout
+metadata arrays plus an opaque payload handle for the batch's TokenColumns (in the sidecar,
+a key into the memory of the gRPC front-end that decoded the batch; the columns themselves
+in tests); `resolve(handle)` is called only when a step is materialized, once per batch
+involved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from rlfeed.sched.advantages import zero_advantage_groups
+from rlfeed.sched.assembly import StepRollouts, TokenColumns, assemble_step
+from rlfeed.sched.curriculum import (
+    grow,
+    init_pass_rates,
+    inside_filter,
+    select_tasks,
+    update_pass_rates,
+)
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.frontend.materialize import StepWork, materialize_work
+from rlfeed.service.frontend.validation import rollout_error
+from rlfeed.service.scheduler.records import (
+    BackpressureError,
+    BatchMeta,
+    Counters,
+    FetchResult,
+    IngestResult,
+    SampleResult,
+    StatusSnapshot,
+    StepRecord,
+)
+
+__all__ = [  # the records are re-exported: callers import them from here
+    "BackpressureError",
+    "BatchMeta",
+    "Counters",
+    "FetchResult",
+    "IngestResult",
+    "SampleResult",
+    "Scheduler",
+    "StatusSnapshot",
+    "StepRecord",
+]
+
+
+@dataclass
+class _Group:
+    task_id: str
+    # One tuple per buffered rollout: (arrival, batch_key, row, rollout_id, version, reward,
+    # length, policy_tokens); tuples, not objects, because this is the per-rollout hot path.
+    rows: list[tuple] = field(default_factory=list)
+    min_version: int = 2**62
+
+
+@dataclass
+class _Step:
+    record: StepRecord
+    num_rollouts: int
+    payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
+    fetched: set[int] = field(default_factory=set)
+    # The ingest batches the step reads, held until its responses are stored (whichever
+    # front-end materializes it, the columns must outlive that).
+    reads: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """All scheduling state of one sidecar. Not thread-safe: the actor serializes calls.
+
+    resolve(handle) -> TokenColumns turns an ingest payload handle into columns (identity in
+    tests); it is used by `assemble_ready_steps` only. The actor never materializes: its
+    front-end resolves handles to the columns in its own memory.
+    """
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
+        track_releases: bool = False,
+    ) -> None:
+        self.config = config
+        self._resolve = resolve
+        # When set, what the scheduler stops needing is kept for the front-end that holds
+        # the bytes, to free at once (`take_releases`): payload handles and released steps.
+        self._released: list[Any] | None = [] if track_releases else None
+        self._released_steps: list[int] | None = [] if track_releases else None
+        self._step_config = config.step_config()
+        self._curriculum = config.curriculum.curriculum_config()
+        self._rng = np.random.default_rng(config.curriculum.seed)
+        self._task_index: dict[str, int] = {}
+        self._task_ids: list[str] = []
+        self._pass_rates = init_pass_rates(0, self._curriculum)
+        # Idempotency memory. `_seen` holds the rollout ids of every buffered group (exactly)
+        # and of the closed groups in `_closed`: group id -> (reason, its rollout ids), reason
+        # "stale" | "assembled" | "zero_advantage", in closing order and at most
+        # `dedup_window_groups` of them (oldest forgotten first), so memory stays bounded.
+        self._seen: set[str] = set()
+        self._open: dict[str, _Group] = {}
+        self._complete: OrderedDict[str, _Group] = OrderedDict()
+        self._closed: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
+        self._payloads: dict[int, list] = {}  # batch key -> [handle, live rollouts]
+        self._next_batch_key = 0
+        self._next_arrival = 0
+        self._newest_version = config.rollouts.initial_policy_version  # -1: none seen yet
+        self._buffered_rollouts = 0
+        self._buffered_bytes = 0
+        self._steps: dict[int, _Step] = {}
+        self._fully_fetched: deque[int] = deque()
+        self._rollouts_in_steps = 0  # assembled, not yet fetched by every rank
+        self._next_step = 0
+        self._zero_dropped_since_step = 0
+        self.counters = Counters()
+        self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        self.last_reports: dict[int, dict[str, float]] = {}
+
+    # ---- tasks ----------------------------------------------------------------------
+
+    def register_tasks(self, task_ids: list[str]) -> tuple[int, int]:
+        """Add unknown task ids to the pool; returns (added, total)."""
+        added = 0
+        for task_id in task_ids:
+            if not task_id:
+                raise ValueError("task_ids: empty task id")
+            if task_id not in self._task_index:
+                self._task_index[task_id] = len(self._task_ids)
+                self._task_ids.append(task_id)
+                added += 1
+        if added:
+            self._pass_rates = grow(self._pass_rates, len(self._task_ids))
+        return added, len(self._task_ids)
+
+    def is_known_task(self, task_id: str) -> bool:
+        return task_id in self._task_index
+
+    def sample_tasks(self, n: int) -> SampleResult:
+        """Tasks to roll out next (curriculum.select_tasks); n = 0 means prompts_per_step."""
+        n = n or self.config.rollouts.prompts_per_step
+        chosen = select_tasks(self._pass_rates, n, self._curriculum, self._rng)
+        inside = inside_filter(self._pass_rates, self._curriculum)[chosen]
+        self.counters.tasks_requested += n
+        self.counters.tasks_sampled += int(chosen.size)
+        self.counters.revisits_sampled += int((~inside).sum())
+        return SampleResult(
+            task_ids=[self._task_ids[i] for i in chosen.tolist()],
+            revisit=(~inside).tolist(),
+            pass_rate=self._pass_rates.estimate[chosen].tolist(),
+        )
+
+    # ---- ingest ---------------------------------------------------------------------
+
+    def ingest_batch(self, meta: BatchMeta, payload: Any) -> IngestResult:
+        """Buffer a validated batch. All-or-nothing: InvalidBatchError (unknown task, group
+        over group_size or spanning two tasks, policy_version too far ahead) or
+        BackpressureError leave no trace.
+
+        Backpressure (see `RolloutsConfig.max_buffered_rollouts`): the batch is refused only
+        if it opens a new group, the rollouts buffered or in unfetched steps plus the batch's
+        would exceed the bound, and ranks fetching can make room. A batch whose rollouts all
+        join groups already buffered is always taken, so buffered groups can always complete.
+
+        The work is per group of the batch, not per rollout, wherever it can be: this is
+        the actor's hot path (one call per batch, all producers).
+        """
+        rollouts = self.config.rollouts
+        ids, tasks, versions = meta.rollout_ids, meta.task_ids, meta.policy_versions.tolist()
+        n = len(ids)
+        by_group: dict[str, list[int]] = {}  # fresh rows of each group, in row order
+        seen = self._seen
+        for row, (rollout_id, group_id) in enumerate(zip(ids, meta.group_ids, strict=True)):
+            if rollout_id not in seen:
+                by_group.setdefault(group_id, []).append(row)
+        fresh = sum(map(len, by_group.values()))
+        newest = max([self._newest_version] + [versions[r] for g in by_group.values() for r in g])
+        oldest_allowed = newest - rollouts.max_policy_lag
+
+        # Phase 1: check everything against the state; mutate nothing.
+        unknown = {tasks[row] for rows in by_group.values() for row in rows}
+        unknown.difference_update(self._task_index)
+        if unknown:
+            row = min(row for rows in by_group.values() for row in rows if tasks[row] in unknown)
+            raise rollout_error(
+                ids[row], "task_id", f"unknown task {tasks[row]!r}", reason="unknown_task"
+            )
+        self._check_version_jump(meta, by_group)
+        stale_groups: set[str] = set()
+        incoming = opening = 0  # fresh rollouts taken; those of them that open a new group
+        for group_id, rows in by_group.items():
+            task_id = tasks[rows[0]]
+            group = self._group(group_id)
+            group_task = group.task_id if group else task_id
+            for row in rows:
+                if tasks[row] != group_task:
+                    raise rollout_error(
+                        ids[row],
+                        "group_id",
+                        f"group {group_id!r} belongs to task {group_task!r}",
+                        reason="group_overflow",
+                    )
+            closed = self._closed.get(group_id, (None,))[0]
+            if closed == "stale":
+                stale_groups.add(group_id)
+                continue
+            if closed is not None or group_id in self._complete:
+                raise rollout_error(
+                    ids[rows[0]],
+                    "group_id",
+                    f"group {group_id!r} already has its {rollouts.group_size} rollouts",
+                    reason="group_overflow",
+                )
+            if min(versions[row] for row in rows) < oldest_allowed:
+                stale_groups.add(group_id)
+                continue
+            room = rollouts.group_size - (len(group.rows) if group else 0)
+            if len(rows) > room:
+                raise rollout_error(
+                    ids[rows[room]],
+                    "group_id",
+                    f"group {group_id!r} would exceed group_size {rollouts.group_size}",
+                    reason="group_overflow",
+                )
+            incoming += len(rows)
+            opening += len(rows) if group is None else 0
+        if newest > self._newest_version:
+            stale_groups.update(
+                g
+                for g, group in (*self._open.items(), *self._complete.items())
+                if group.min_version < oldest_allowed
+            )
+        freed = sum(len(self._group(g).rows) for g in stale_groups if self._group(g))
+        live = self._buffered_rollouts + self._rollouts_in_steps - freed
+        if (
+            opening
+            and live + incoming > rollouts.max_buffered_rollouts
+            and self._ranks_can_make_room(stale_groups)
+        ):
+            raise BackpressureError(
+                f"buffer full: {live} rollouts buffered or in unfetched steps, batch adds "
+                f"{incoming} ({opening} opening new groups), max_buffered_rollouts = "
+                f"{rollouts.max_buffered_rollouts}; retry once trainer ranks fetch a step"
+            )
+
+        # Phase 2: apply.
+        self._newest_version = newest
+        stale_tokens = sum(
+            row[6] for g in stale_groups if self._group(g) for row in self._group(g).rows
+        )
+        for group_id in stale_groups:
+            self._drop_group(group_id, "stale")
+        batch_key = self._next_batch_key
+        self._next_batch_key += 1
+        first_arrival = self._next_arrival  # arrival order = row order inside a batch
+        self._next_arrival += n
+        rewards, lengths = meta.rewards.tolist(), meta.lengths.tolist()
+        policy_tokens = meta.policy_tokens.tolist()
+        stale = accepted = accepted_tokens = 0
+        completed: list[tuple[int, str]] = []  # (completing row, group id)
+        for group_id, rows in by_group.items():
+            fresh_ids = [ids[row] for row in rows]
+            seen.update(fresh_ids)
+            tokens = sum(lengths[row] for row in rows)
+            if group_id in stale_groups:  # closed above or before: its entry keeps the ids
+                self._closed[group_id][1].extend(fresh_ids)
+                stale += len(rows)
+                stale_tokens += tokens
+                continue
+            group = self._open.setdefault(group_id, _Group(task_id=tasks[rows[0]]))
+            group.rows.extend(
+                (
+                    first_arrival + row,
+                    batch_key,
+                    row,
+                    ids[row],
+                    versions[row],
+                    rewards[row],
+                    lengths[row],
+                    policy_tokens[row],
+                )
+                for row in rows
+            )
+            group.min_version = min(group.min_version, *(versions[row] for row in rows))
+            # int32 id + uint8 mask + float32 log-prob per token
+            self._buffered_bytes += 9 * tokens
+            accepted += len(rows)
+            accepted_tokens += tokens
+            if len(group.rows) == rollouts.group_size:
+                completed.append((rows[-1], group_id))
+        self._buffered_rollouts += accepted
+        if accepted:
+            self._payloads[batch_key] = [payload, accepted]
+        self.counters.rollouts_received += n
+        self.counters.rollouts_accepted += accepted
+        self.counters.rollouts_duplicate += n - fresh
+        self.counters.rollouts_stale += stale
+        self._complete_groups([group_id for _, group_id in sorted(completed)])
+        self._forget_old_groups()
+        return IngestResult(
+            accepted=accepted,
+            duplicate=n - fresh,
+            stale=stale,
+            newest_policy_version=max(self._newest_version, 0),
+            buffered_rollouts=self._buffered_rollouts,
+            steps_ready=len(self._complete) // rollouts.prompts_per_step,
+            accepted_tokens=accepted_tokens,
+            stale_buffered=freed,
+            stale_tokens=stale_tokens,
+        )
+
+    def _check_version_jump(self, meta: BatchMeta, by_group: dict[str, list[int]]) -> None:
+        """InvalidBatchError for the first fresh rollout more than `max_version_jump` versions
+        ahead of the newest version seen (of the batch's first fresh rollout, before any):
+        the newest version only grows, so one bogus version would make every honest rollout
+        stale for the rest of the run."""
+        if not by_group:
+            return
+        baseline = self._newest_version
+        if baseline < 0:
+            baseline = int(meta.policy_versions[min(rows[0] for rows in by_group.values())])
+        limit = baseline + self.config.rollouts.max_version_jump
+        ahead = np.flatnonzero(meta.policy_versions > limit).tolist()
+        if not ahead:
+            return
+        fresh = {row for rows in by_group.values() for row in rows}
+        row = next((row for row in ahead if row in fresh), None)
+        if row is not None:
+            raise rollout_error(
+                meta.rollout_ids[row],
+                "policy_version",
+                f"{int(meta.policy_versions[row])} is more than max_version_jump "
+                f"{self.config.rollouts.max_version_jump} ahead of the newest policy version "
+                f"seen, {baseline}",
+                reason="bad_policy_version",
+            )
+
+    def _ranks_can_make_room(self, dropping: set[str]) -> bool:
+        """Whether trainer ranks fetching can free buffer room without further rollouts: an
+        assembled step still waits for a rank, or enough complete groups (after dropping the
+        groups in `dropping`) to assemble one. The backpressure rule refuses a batch only
+        then, so a refusal is always resolved by fetching: refused otherwise, a producer
+        retrying its batches in order would wait forever for the rollouts that complete the
+        buffered groups, which may sit behind the refused batch."""
+        if self._rollouts_in_steps:
+            return True
+        complete = sum(group_id not in dropping for group_id in self._complete)
+        return complete >= self.config.rollouts.prompts_per_step
+
+    def record_rejection(self) -> None:
+        """Count a batch the front-end rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+        self.counters.batches_rejected += 1
+
+    def _group(self, group_id: str) -> _Group | None:
+        return self._open.get(group_id) or self._complete.get(group_id)
+
+    def _release_rows(self, rows: list[tuple]) -> None:
+        for row in rows:
+            self._unref_payload(row[1])
+            self._buffered_bytes -= row[6] * 9
+        self._buffered_rollouts -= len(rows)
+
+    def _unref_payload(self, batch_key: int) -> None:
+        """One holder (a buffered rollout, or a planned step not yet stored) lets go of a
+        batch; the last one releases it."""
+        entry = self._payloads[batch_key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._payloads[batch_key]
+            if self._released is not None:
+                self._released.append(entry[0])
+
+    def take_releases(self) -> tuple[list[Any], list[int]]:
+        """What the scheduler stopped needing since the last call (empty unless tracking):
+        the payload handles nothing refers to any more (no buffered rollout, no planned step
+        whose responses are not stored yet), whose columns their holder frees at once, and
+        the steps released (no longer servable), whose responses their holder drops. An
+        output, not a state change: replay recomputes it."""
+        if self._released is None or self._released_steps is None:
+            return [], []
+        released = (self._released, self._released_steps)
+        self._released, self._released_steps = [], []
+        return released
+
+    def _drop_group(self, group_id: str, reason: str) -> None:
+        group = self._open.pop(group_id, None) or self._complete.pop(group_id, None)
+        if group is not None:
+            self._release_rows(group.rows)
+            if reason == "stale":
+                self.counters.rollouts_stale += len(group.rows)
+        self._close(group_id, reason, group.rows if group else [])
+
+    def _close(self, group_id: str, reason: str, rows: list[tuple]) -> None:
+        """Remember a closed group and its rollout ids (a group closed before keeps its place
+        in the window and its reason: only a stale group closes again, for late rollouts)."""
+        if group_id not in self._closed:
+            self._closed[group_id] = (reason, [])
+        self._closed[group_id][1].extend(row[3] for row in rows)
+
+    def _forget_old_groups(self) -> None:
+        """Forget the oldest closed groups beyond `dedup_window_groups`, with their rollout
+        ids: a resend of one of them is then taken as new data (the price of bounded memory).
+        Runs at the end of the calls that close groups, never between their checks."""
+        for _ in range(len(self._closed) - self.config.rollouts.dedup_window_groups):
+            _, (_, rollout_ids) = self._closed.popitem(last=False)
+            self._seen.difference_update(rollout_ids)
+
+    def _complete_groups(self, group_ids: list[str]) -> None:
+        """Move complete groups on: update pass rates (one vectorized call), count and
+        maybe discard zero-advantage ones, queue the rest for the next step."""
+        if not group_ids:
+            return
+        groups = [self._open.pop(g) for g in group_ids]
+        rewards = np.array([row[5] for group in groups for row in group.rows], dtype=np.float64)
+        group_of = np.repeat(np.arange(len(groups)), [len(group.rows) for group in groups])
+        # Rewards are treated as pass fractions for the estimate (clipped into [0, 1]).
+        means = np.clip(np.bincount(group_of, weights=rewards) / np.bincount(group_of), 0, 1)
+        tasks = np.array([self._task_index[group.task_id] for group in groups], dtype=np.int64)
+        self._pass_rates = update_pass_rates(
+            self._pass_rates, tasks, means, self.config.rollouts.group_size, self._curriculum
+        )
+        zero_rows = zero_advantage_groups(rewards, group_of)
+        zero_groups = np.zeros(len(groups), dtype=bool)
+        zero_groups[group_of] = zero_rows
+        for group_id, group, zero in zip(group_ids, groups, zero_groups.tolist(), strict=True):
+            self.counters.zero_advantage_groups += zero
+            if zero and self.config.advantages.drop_zero_advantage:
+                self._release_rows(group.rows)
+                self._close(group_id, "zero_advantage", group.rows)
+                self.counters.zero_advantage_rollouts_dropped += len(group.rows)
+                self._zero_dropped_since_step += 1
+            else:
+                self._complete[group_id] = group
+
+    # ---- steps ----------------------------------------------------------------------
+
+    def plan_ready_steps(self) -> list[StepWork]:
+        """Plan a step from every prompts_per_step complete groups (in completion order).
+
+        Returns the work to materialize each new step; a step answers "not ready" until its
+        responses come back through `store_step`, and holds the batches it reads until
+        then (they are released, see `take_releases`, only after that).
+        """
+        per_step = self.config.rollouts.prompts_per_step
+        work = []
+        while len(self._complete) >= per_step:
+            groups = [self._complete.popitem(last=False) for _ in range(per_step)]
+            work.append(self._plan(groups))
+        self._forget_old_groups()
+        return work
+
+    def store_step(
+        self, step: int, responses: list[Any], response_bytes: int | None = None
+    ) -> StepRecord:
+        """Keep every rank's response of a planned step: the serialized bytes (served as-is),
+        or a handle to them (the actor keeps object references; `response_bytes` then gives
+        their total size for the step's record), and let go of the ingest batches the step
+        read. Returns the step's record."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is not None:
+            raise ValueError(f"step {step} is not waiting for its responses")
+        if len(responses) != self.config.batching.world_size:
+            raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
+        held.payloads = list(responses)
+        for key in held.reads:
+            self._unref_payload(key)
+        held.reads = []
+        if response_bytes is None:
+            response_bytes = sum(len(r) for r in responses)
+        record = replace(held.record, response_bytes=int(response_bytes))
+        self.step_records.append(record)
+        return record
+
+    def held_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` whose responses are stored and not yet released (a query)."""
+        return [
+            step
+            for step in steps
+            if (held := self._steps.get(step)) is not None and held.payloads is not None
+        ]
+
+    def move_step(self, step: int, responses: list[Any]) -> bool:
+        """Replace a stored step's per-rank handles with others to the same bytes (a
+        front-end moving them out of its memory into the object store). Returns False and
+        changes nothing if the step is no longer held (released in the meantime)."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is None:
+            return False
+        if len(responses) != self.config.batching.world_size:
+            raise ValueError(f"step {step}: {len(responses)} responses for world_size ranks")
+        held.payloads = list(responses)
+        return True
+
+    def rehome_payloads(self, handles: dict[Any, Any]) -> list[int]:
+        """Give held ingest batches new handles to the same columns (a front-end leaving
+        moves its batches into the object store): each batch whose handle is a key of
+        `handles` takes its value. Returns the planned steps not yet stored that read a
+        moved batch: their work went out with the old handles, so the old holder keeps
+        serving those until `unstored_steps` says they are stored."""
+        moved = set()
+        for key, entry in self._payloads.items():
+            new_handle = handles.get(entry[0]) if isinstance(entry[0], tuple) else None
+            if new_handle is not None:
+                entry[0] = new_handle
+                moved.add(key)
+        return sorted(
+            step
+            for step, held in self._steps.items()
+            if held.payloads is None and moved.intersection(held.reads)
+        )
+
+    def unstored_steps(self, steps: list[int]) -> list[int]:
+        """Those of `steps` planned and still waiting for their responses (a query)."""
+        return [
+            step
+            for step in steps
+            if (held := self._steps.get(step)) is not None and held.payloads is None
+        ]
+
+    def assemble_ready_steps(self) -> list[int]:
+        """Plan, materialize (with `resolve`) and store every ready step; returns them."""
+        steps = []
+        for work in self.plan_ready_steps():
+            self.store_step(work.step, materialize_work(work, self._resolve))
+            steps.append(work.step)
+        return steps
+
+    def _plan(self, groups: list[tuple[str, _Group]]) -> StepWork:
+        rows = sorted(
+            ((row, index) for index, (_, group) in enumerate(groups) for row in group.rows),
+            key=lambda item: item[0][0],  # arrival order
+        )
+        group_of = np.array([index for _, index in rows], dtype=np.int64)
+        rows = [row for row, _ in rows]
+        versions = np.array([row[4] for row in rows], dtype=np.int64)
+        step_rollouts = StepRollouts(
+            lengths=np.array([row[6] for row in rows], dtype=np.int64),
+            policy_tokens=np.array([row[7] for row in rows], dtype=np.int64),
+            rewards=np.array([row[5] for row in rows], dtype=np.float64),
+            group_ids=group_of,
+        )
+        plan = assemble_step(step_rollouts, self._step_config)
+        step = self._next_step
+        reads = sorted({row[1] for row in rows})  # the ingest batches the step reads
+        work = StepWork(
+            step=step,
+            plan=plan,
+            rows=[(row[1], row[2]) for row in rows],
+            rollout_ids=[row[3] for row in rows],
+            policy_versions=versions,
+            payloads={key: self._payloads[key][0] for key in reads},
+        )
+        for key in reads:  # the step holds its batches until store_step
+            self._payloads[key][1] += 1
+        for group_id, group in groups:
+            self._release_rows(group.rows)
+            self._close(group_id, "assembled", group.rows)
+        record = StepRecord.from_plan(
+            plan,
+            step=step,
+            zero_advantage_groups_dropped=self._zero_dropped_since_step,
+            policy_versions=plan.policy_version_range(versions),
+        )
+        self._steps[step] = _Step(record=record, num_rollouts=len(rows), reads=reads)
+        self._rollouts_in_steps += len(rows)
+        self._next_step += 1
+        self._zero_dropped_since_step = 0
+        self.counters.steps_assembled += 1
+        self.counters.rollouts_trained += record.num_rollouts
+        self.counters.policy_tokens_assembled += record.policy_token_count
+        return replace(work, record=record)  # the front-end reports the step with it
+
+    def fetch_batch(self, step: int, rank: int) -> FetchResult:
+        """Rank `rank`'s stored response of `step`, and note the fetch (a state change: a
+        step fetched by every rank is released after `retained_steps` newer such steps)."""
+        world_size = self.config.batching.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        held = self._steps.get(step)
+        if held is None or held.payloads is None:  # not planned, released, or materializing
+            return FetchResult(ready=False, released=held is None and step < self._next_step)
+        if rank not in held.fetched:
+            held.fetched.add(rank)
+            if len(held.fetched) == world_size:
+                self._rollouts_in_steps -= held.num_rollouts
+                self._fully_fetched.append(step)
+                while len(self._fully_fetched) > self.config.batching.retained_steps:
+                    released = self._fully_fetched.popleft()
+                    del self._steps[released]
+                    if self._released_steps is not None:
+                        self._released_steps.append(released)
+        return FetchResult(ready=True, payload=held.payloads[rank])
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    # ---- trainer reports and status -------------------------------------------------
+
+    def record_report(self, rank: int, report: dict[str, float]) -> None:
+        """Keep the latest report of each rank (the metrics exporter reads them). ValueError,
+        keeping nothing, for a rank outside [0, world_size) or a negative report["step"]: a
+        stray rank must not grow the state or the metrics."""
+        world_size = self.config.batching.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"trainer report: field rank: {rank} is outside [0, {world_size})")
+        if report.get("step", 0) < 0:
+            raise ValueError(f"trainer report of rank {rank}: field step: {report['step']} < 0")
+        self.last_reports[int(rank)] = dict(report)
+        self.counters.trainer_reports += 1
+
+    def status(self) -> StatusSnapshot:
+        world_size = self.config.batching.world_size
+        inside = int(inside_filter(self._pass_rates, self._curriculum).sum())
+        return StatusSnapshot(
+            next_step=self._next_step,
+            buffered_rollouts=self._buffered_rollouts,
+            buffered_bytes=self._buffered_bytes,
+            open_groups=len(self._open),
+            complete_groups=len(self._complete),
+            tasks_total=len(self._task_ids),
+            tasks_inside_filter=inside,
+            newest_policy_version=max(self._newest_version, 0),
+            steps_waiting={
+                step: sorted(set(range(world_size)) - held.fetched)
+                for step, held in sorted(self._steps.items())
+                if len(held.fetched) < world_size
+            },
+            counters=Counters(**vars(self.counters)),
+            last_step=self.step_records[-1] if self.step_records else None,
+            last_reports={rank: dict(r) for rank, r in self.last_reports.items()},
+            remembered_rollout_ids=len(self._seen),
+            remembered_closed_groups=len(self._closed),
+        )
+
+    def pass_rate_estimates(self) -> np.ndarray:
+        """float64 [tasks]: the current pass-rate estimate of every registered task, in
+        registration order (a copy; the metrics' pass-rate histogram reads it)."""
+        return np.array(self._pass_rates.estimate, dtype=np.float64)

@@ -1,0 +1,109 @@
+"""Each broken rule of the ingest contract is reported with the rollout id and the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.frontend.validation import InvalidBatchError, validate_rollout_batch
+from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
+
+BUDGET = 256
+VOCAB = 1000
+
+
+def _rollouts(seed: int = 0) -> SyntheticRollouts:
+    return synthetic_groups(
+        num_groups=3, group_size=3, rng=np.random.default_rng(seed), max_length=100
+    )
+
+
+def _validate(rollouts: SyntheticRollouts, known=("task-0", "task-1", "task-2")) -> None:
+    validate_rollout_batch(
+        decode_rollout_batch(rollouts.encode()),
+        token_budget=BUDGET,
+        vocab_size=VOCAB,
+        is_known_task=set(known).__contains__,
+    )
+
+
+def _set_token(field: str, value):
+    def change(r: SyntheticRollouts) -> None:
+        array = getattr(r, field)[4].copy()
+        array[-1] = value
+        getattr(r, field)[4] = array
+
+    return change
+
+
+def _grow(field: str):
+    def change(r: SyntheticRollouts) -> None:
+        getattr(r, field)[4] = np.r_[getattr(r, field)[4], 0].astype(getattr(r, field)[4].dtype)
+
+    return change
+
+
+def _too_long(r: SyntheticRollouts) -> None:
+    length = BUDGET + 1
+    r.token_ids[4] = np.zeros(length, np.int32)
+    r.action_mask[4] = np.r_[0, np.ones(length - 1)].astype(np.uint8)
+    r.sampler_logprobs[4] = np.zeros(length, np.float32)
+
+
+def _first_is_policy(r: SyntheticRollouts) -> None:
+    r.action_mask[4] = np.ones_like(r.action_mask[4])
+
+
+BROKEN = {
+    "action_mask longer than token_ids": (_grow("action_mask"), "action_mask"),
+    "log-probs longer than token_ids": (_grow("sampler_logprobs"), "sampler_logprobs"),
+    "longer than the token budget": (_too_long, "token_ids"),
+    "negative policy version": (
+        lambda r: r.policy_versions.__setitem__(4, -1),
+        "policy_version",
+    ),
+    "NaN reward": (lambda r: r.rewards.__setitem__(4, float("nan")), "reward"),
+    "infinite reward": (lambda r: r.rewards.__setitem__(4, float("inf")), "reward"),
+    "NaN log-prob": (_set_token("sampler_logprobs", np.nan), "sampler_logprobs"),
+    "-inf log-prob": (_set_token("sampler_logprobs", -np.inf), "sampler_logprobs"),
+    "token id = vocab size": (_set_token("token_ids", VOCAB), "token_ids"),
+    "negative token id": (_set_token("token_ids", -1), "token_ids"),
+    "mask value 2": (_set_token("action_mask", 2), "action_mask"),
+    "action_mask[0] == 1": (_first_is_policy, "action_mask"),
+    "unknown task": (lambda r: r.task_ids.__setitem__(4, "task-99"), "task_id"),
+    "duplicate id in the batch": (lambda r: r.rollout_ids.__setitem__(4, "g0-r0"), "rollout_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_rollout_is_named_with_its_field(case: str) -> None:
+    rollouts = _rollouts()
+    change, field = BROKEN[case]
+    change(rollouts)
+    with pytest.raises(InvalidBatchError) as error:
+        _validate(rollouts)
+    assert f"rollout '{rollouts.rollout_ids[4]}': field {field}:" in str(error.value)
+
+
+def test_a_sequence_exactly_at_the_budget_is_fine() -> None:
+    rollouts = _rollouts()
+    _too_long(rollouts)
+    for name in ("token_ids", "action_mask", "sampler_logprobs"):
+        getattr(rollouts, name)[4] = getattr(rollouts, name)[4][:BUDGET]
+    _validate(rollouts)
+
+
+def test_the_first_offending_rollout_is_reported() -> None:
+    rollouts = _rollouts()
+    rollouts.rewards[2] = float("nan")
+    rollouts.rewards[6] = float("nan")
+    with pytest.raises(InvalidBatchError, match="rollout 'g0-r2': field reward"):
+        _validate(rollouts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31))
+def test_well_formed_batches_pass(seed: int) -> None:
+    _validate(_rollouts(seed))
