@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public name -> submodule that defines it
+# public name -> submodule that defines it (a dotted name: a module outside rlfeed.client)
 _EXPORTS: dict[str, str] = {
     # trainer-side torch ops
     "block_causal_mask": "attention",
@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "RolloutWriter": "producer",
     "BufferFullError": "transport",
     "GrpcTransport": "transport",
-    "InProcessTransport": "transport",
+    "InProcessTransport": "rlfeed.service.inprocess",  # service side; resolved on use only
     "InvalidRolloutsError": "transport",
     "SidecarError": "transport",
     "StepReleasedError": "transport",
@@ -50,7 +50,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rlfeed.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"rlfeed.client.{module}"), name)
+    path = module if "." in module else f"rlfeed.client.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value  # resolve once
     return value
 

@@ -2,9 +2,9 @@
 
 `Transport` is what `RolloutWriter` and `BatchLoader` use; it speaks the `.proto` messages
 (`rlfeed.v1`), so the wire contract stays the one definition of every field. `GrpcTransport`
-calls a running sidecar; `InProcessTransport` runs the sidecar's own decoding, validation
-and `Scheduler` in the calling process (no gRPC, no Ray), so client and trainer code is
-testable without a server.
+calls a running sidecar; `rlfeed.service.inprocess.InProcessTransport` runs the sidecar's
+own code in the calling process (no gRPC, no Ray), so client and trainer code is testable
+without a server.
 
 Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT, with
 its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
@@ -13,9 +13,7 @@ its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleased
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
@@ -188,116 +186,3 @@ def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
             f"expected 'host:port' or a Transport, got {type(address_or_transport).__name__}"
         )
     return address_or_transport, False
-
-
-class InProcessTransport:
-    """`Transport` backed by a `rlfeed.service.scheduler.state.Scheduler` in this process.
-
-    It runs the same codec, validation and scheduler code as the server, and answers with
-    the same messages (served steps are the scheduler's stored `GetBatchResponse` bytes),
-    so what the client sees matches a real sidecar minus the network. Thread-safe: one
-    lock serializes calls, as the scheduler actor does.
-    """
-
-    def __init__(self, config: Any = None) -> None:
-        from rlfeed.service.config import SidecarConfig
-        from rlfeed.service.scheduler.state import Scheduler
-
-        self.config = config if config is not None else SidecarConfig()
-        self._scheduler = Scheduler(self.config)
-        self._cond = threading.Condition()
-
-    def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
-        from rlfeed.service.frontend.codec import decode_rollout_batch
-        from rlfeed.service.frontend.validation import validate_rollout_batch
-        from rlfeed.service.scheduler.state import BackpressureError, BatchMeta
-
-        with self._cond:
-            try:
-                arrays = decode_rollout_batch(batch.arrow_ipc)
-                validate_rollout_batch(
-                    arrays,
-                    token_budget=self.config.batching.token_budget,
-                    vocab_size=self.config.rollouts.vocab_size,
-                    is_known_task=self._scheduler.is_known_task,
-                )
-                result = self._scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
-            except BackpressureError as exc:
-                self._scheduler.record_rejection()
-                raise BufferFullError(str(exc)) from None
-            except ValueError as exc:
-                self._scheduler.record_rejection()
-                raise InvalidRolloutsError(str(exc)) from None
-            if self._scheduler.assemble_ready_steps():
-                self._cond.notify_all()
-            return pb.SubmitAck(
-                sequence=batch.sequence,
-                accepted=result.accepted,
-                duplicate=result.duplicate,
-                stale=result.stale,
-                newest_policy_version=result.newest_policy_version,
-                buffered_rollouts=result.buffered_rollouts,
-            )
-
-    def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
-        with self._cond:
-            try:
-                added, total = self._scheduler.register_tasks(list(task_ids))
-            except ValueError as exc:
-                raise InvalidRolloutsError(str(exc)) from None
-        return pb.RegisterTasksResponse(added=added, total_tasks=total)
-
-    def sample_tasks(self, n: int) -> pb.SampleTasksResponse:
-        with self._cond:
-            result = self._scheduler.sample_tasks(n)
-        return pb.SampleTasksResponse(
-            task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
-        )
-
-    def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
-        served = self._fetch(step, rank, wait_s)
-        return pb.GetBatchResponse.FromString(served) if served else pb.GetBatchResponse()
-
-    def get_batch_view(self, step: int, rank: int, wait_s: float) -> ServedResponse:
-        """`get_batch` as a `ServedResponse` (Arrow payloads viewed in the stored bytes)."""
-        return parse_get_batch_response(self._fetch(step, rank, wait_s))
-
-    def _fetch(self, step: int, rank: int, wait_s: float) -> bytes:
-        """The stored response bytes, or b"" (a not-ready answer) after `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while True:
-                try:
-                    result = self._scheduler.fetch_batch(step, rank)
-                except ValueError as exc:
-                    raise SidecarError("INVALID_ARGUMENT", str(exc)) from None
-                if result.ready:
-                    return result.payload
-                if result.released:
-                    raise StepReleasedError(f"step {step} is no longer retained")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return b""
-                self._cond.wait(remaining)
-
-    def report(self, report: pb.TrainerReport) -> None:
-        with self._cond:
-            self._scheduler.record_report(
-                report.rank,
-                {
-                    "step": report.step,
-                    "loss": report.loss,
-                    "ratio_outlier_share": report.ratio_outlier_share,
-                    "tokens_per_second": report.tokens_per_second,
-                    "step_seconds": report.step_seconds,
-                },
-            )
-
-    def status(self) -> pb.StatusResponse:
-        from rlfeed.service.frontend.codec import status_to_proto
-
-        with self._cond:
-            return status_to_proto(self._scheduler.status(), self.config)
-
-    def close(self) -> None:
-        pass

@@ -186,9 +186,14 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
     )
 
 
+# int32 token id + uint8 action mask + float32 sampler log-prob, per token
+TOKEN_BYTES = 9
+
+
 @dataclass(frozen=True)
 class TokenColumns:
-    """Flat per-token arrays of many rollouts: what an Arrow list<> column holds."""
+    """Flat per-token arrays of many rollouts: what an Arrow list<> column holds
+    (`TOKEN_BYTES` per token)."""
 
     offsets: np.ndarray
     """int64 [n+1]; rollout i owns [offsets[i], offsets[i+1])."""

@@ -8,7 +8,7 @@
   the test ends. Returns the `SidecarServer` (`.address`, `.config`, `.stop()`).
   `make_sidecar(events=factory, ...)` hands `start_server` the hooks `factory(config)`
   returns for the resolved config (e.g. `MetricsEvents`); reach them as
-  `sidecar.servicer.events`.
+  `sidecar.frontend.events.inner`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ is stored and served, so a re-fetch of (step, rank) is byte-identical by constru
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,19 +25,7 @@ from rlfeed.service.frontend.response_pieces import (
     step_spans,
     thread_scratch,
 )
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """Everything needed to materialize one planned step, away from the scheduler."""
-
-    step: int
-    plan: StepPlan
-    rows: list[tuple[int, int]]  # per step rollout: (batch key, row in that batch)
-    rollout_ids: list[str]  # per step rollout
-    policy_versions: np.ndarray  # int64, per step rollout
-    payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
-    record: Any = None  # the step's StepRecord, response_bytes still 0 (set by store_step)
+from rlfeed.service.scheduler.records import StepWork
 
 
 def materialize_work(work: StepWork, resolve: Callable[[Any], TokenColumns]) -> list[bytes]:

@@ -6,34 +6,15 @@ and inf show in them) and only search for the position when that fails. Each rep
 FIRST offending rollout by id and field, e.g. `rollout 'r-17': field token_ids: token id 70001 at
 token 12 is outside [0, 65536)`. The gRPC servicer turns an `InvalidBatchError` into
 INVALID_ARGUMENT and rejects the batch as a whole. Checks that need the scheduler's state
-(groups that overflow `group_size` or span two tasks, a policy_version more than
-`max_version_jump` ahead of the newest seen) live in `scheduler.py` and raise the same error.
+(unknown tasks, groups that overflow `group_size` or span two tasks, a policy_version more than
+`max_version_jump` ahead of the newest seen) live in `scheduler/state.py` and raise the same error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
+from rlfeed.service.errors import InvalidBatchError, RejectReason, rollout_error
 from rlfeed.service.frontend.codec import RolloutBatchArrays
-
-
-class InvalidBatchError(ValueError):
-    """A rollout batch that breaks the wire contract; the message names rollout and field.
-
-    `reason` names the broken rule for the metrics' `reason` label (a value of
-    `metric_families.REJECT_REASONS`); None when unknown, e.g. for an error rebuilt from
-    its message after crossing the actor boundary."""
-
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def rollout_error(
-    rollout_id: str, field: str, problem: str, *, reason: str | None = None
-) -> InvalidBatchError:
-    return InvalidBatchError(f"rollout {rollout_id!r}: field {field}: {problem}", reason=reason)
 
 
 def _rollout_of_token(offsets: np.ndarray, position: int) -> int:
@@ -45,14 +26,14 @@ def _check_ids(batch: RolloutBatchArrays) -> None:
     for row, rollout_id in enumerate(batch.rollout_ids):
         if not rollout_id:
             raise InvalidBatchError(
-                f"row {row}: field rollout_id: empty rollout id", reason="malformed"
+                f"row {row}: field rollout_id: empty rollout id", reason=RejectReason.MALFORMED
             )
         if rollout_id in seen:
             raise rollout_error(
                 rollout_id,
                 "rollout_id",
                 f"duplicate in this batch (rows {seen[rollout_id]}, {row})",
-                reason="duplicate_in_batch",
+                reason=RejectReason.DUPLICATE_IN_BATCH,
             )
         seen[rollout_id] = row
     for field in ("task_ids", "group_ids"):
@@ -60,7 +41,7 @@ def _check_ids(batch: RolloutBatchArrays) -> None:
         empty = [row for row, value in enumerate(values) if not value]
         if empty:
             raise rollout_error(
-                batch.rollout_ids[empty[0]], field[:-1], "empty", reason="malformed"
+                batch.rollout_ids[empty[0]], field[:-1], "empty", reason=RejectReason.MALFORMED
             )
 
 
@@ -78,7 +59,7 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
                 batch.rollout_ids[row],
                 field,
                 f"{int(other[row])} entries but token_ids has {int(lengths[row])}",
-                reason="length_mismatch",
+                reason=RejectReason.LENGTH_MISMATCH,
             )
     empty = np.flatnonzero(lengths < 1)
     if empty.size:
@@ -86,7 +67,7 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
             batch.rollout_ids[int(empty[0])],
             "token_ids",
             "empty sequence",
-            reason="length_mismatch",
+            reason=RejectReason.LENGTH_MISMATCH,
         )
     too_long = np.flatnonzero(lengths > token_budget)
     if too_long.size:
@@ -96,7 +77,7 @@ def _check_lengths(batch: RolloutBatchArrays, token_budget: int) -> None:
             "token_ids",
             f"{int(lengths[row])} tokens, longer than the token budget {token_budget}; "
             "refusing to truncate",
-            reason="too_long",
+            reason=RejectReason.TOO_LONG,
         )
 
 
@@ -108,7 +89,7 @@ def _check_versions(batch: RolloutBatchArrays) -> None:
             batch.rollout_ids[row],
             "policy_version",
             f"{int(batch.policy_versions[row])} is negative; versions count up from 0",
-            reason="bad_policy_version",
+            reason=RejectReason.BAD_POLICY_VERSION,
         )
 
 
@@ -120,7 +101,7 @@ def _check_finite(batch: RolloutBatchArrays) -> None:
             batch.rollout_ids[row],
             "reward",
             f"{batch.rewards[row]} is not finite",
-            reason="non_finite",
+            reason=RejectReason.NON_FINITE,
         )
     if not _all_finite(batch.sampler_logprobs):
         position = int(np.flatnonzero(~np.isfinite(batch.sampler_logprobs))[0])
@@ -130,7 +111,7 @@ def _check_finite(batch: RolloutBatchArrays) -> None:
             "sampler_logprobs",
             f"{batch.sampler_logprobs[position]} at token {position - int(batch.offsets[row])} "
             "is not finite",
-            reason="non_finite",
+            reason=RejectReason.NON_FINITE,
         )
 
 
@@ -158,7 +139,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             "token_ids",
             f"token id {int(ids[position])} at token "
             f"{position - int(batch.offsets[row])} is outside {bound}",
-            reason="token_out_of_range",
+            reason=RejectReason.TOKEN_OUT_OF_RANGE,
         )
     mask = batch.action_mask  # uint8: the decoder casts it
     if mask.size and mask.max() > 1:
@@ -169,7 +150,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             "action_mask",
             f"value {int(mask[position])} at token "
             f"{position - int(batch.offsets[row])}; must be 0 or 1",
-            reason="bad_action_mask",
+            reason=RejectReason.BAD_ACTION_MASK,
         )
     first_is_policy = np.flatnonzero(batch.action_mask[batch.offsets[:-1]] != 0)
     if first_is_policy.size:
@@ -177,7 +158,7 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
             batch.rollout_ids[int(first_is_policy[0])],
             "action_mask",
             "action_mask[0] is 1, but nothing predicts a sequence's first token",
-            reason="bad_action_mask",
+            reason=RejectReason.BAD_ACTION_MASK,
         )
 
 
@@ -186,7 +167,6 @@ def validate_rollout_batch(
     *,
     token_budget: int,
     vocab_size: int = 0,
-    is_known_task: Callable[[str], bool] | None = None,
 ) -> None:
     """Raise InvalidBatchError for the first broken rule, else return None.
 
@@ -194,19 +174,10 @@ def validate_rollout_batch(
     action_mask and sampler_logprobs of equal length 1..token_budget; policy_version >= 0;
     finite rewards and
     log-probs; 0 <= token id < vocab_size (vocab_size 0: only >= 0); action mask values 0/1
-    with action_mask[0] == 0; every task known (when `is_known_task` is given).
+    with action_mask[0] == 0. Whether each task is registered is the scheduler's check.
     """
     _check_ids(batch)
     _check_lengths(batch, token_budget)
     _check_versions(batch)
     _check_finite(batch)
     _check_tokens(batch, vocab_size)
-    if is_known_task is not None:
-        for row, task_id in enumerate(batch.task_ids):
-            if not is_known_task(task_id):
-                raise rollout_error(
-                    batch.rollout_ids[row],
-                    "task_id",
-                    f"unknown task {task_id!r} (not registered)",
-                    reason="unknown_task",
-                )

@@ -26,9 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.errors import reject_reason
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.metrics.http import MetricsServer
-from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics, reject_reason
+from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics
 from rlfeed.service.scheduler.records import IngestResult, SampleResult, StepRecord
 
 # A scrape waits at most this long for the scheduler actor's levels (a busy or dead actor
@@ -65,7 +66,7 @@ class MetricsEvents(ServerEvents):
         )
 
     def on_reject(self, error: BaseException, *, rollouts: int, tokens: int) -> None:
-        self.metrics.on_reject(reject_reason(error), rollouts=rollouts, tokens=tokens)
+        self.metrics.on_reject(reject_reason(error).value, rollouts=rollouts, tokens=tokens)
 
     def on_step(self, record: StepRecord, *, responses: list[bytes], ready_time: float) -> None:
         # The picture is drawn from what the ranks are served, and only when asked for.

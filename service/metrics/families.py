@@ -16,25 +16,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeHistogramMetricFamily
+from rlfeed.service.errors import RejectReason
 
 if TYPE_CHECKING:
     from rlfeed.service.metrics.figures import CostAssumptions, StepFigures, StepPrice
 
-# Why a batch was rejected (the `reason` label); anything else counts as "other".
-REJECT_REASONS: tuple[str, ...] = (
-    "malformed",  # not an Arrow IPC stream, missing/ill-typed column, null, empty id
-    "length_mismatch",  # per-rollout arrays of different lengths, empty sequence
-    "too_long",  # sequence longer than the token budget
-    "non_finite",  # NaN/inf reward or log-prob
-    "token_out_of_range",  # token id outside [0, vocab_size)
-    "unknown_task",  # task id not registered
-    "bad_action_mask",  # action_mask[0] == 1, or a value other than 0/1
-    "bad_policy_version",  # negative, or more than max_version_jump ahead of the newest seen
-    "duplicate_in_batch",  # one rollout id twice in a batch
-    "group_overflow",  # more than group_size rollouts in a group, or a group on two tasks
-    "buffer_full",  # RESOURCE_EXHAUSTED: max_buffered_rollouts reached
-    "other",
-)
+# Why a batch was rejected (the `reason` label): RejectReason's values.
+REJECT_REASONS: tuple[str, ...] = tuple(reason.value for reason in RejectReason)
 # Upper bounds (le) of the pass-rate buckets; 0 and 0.9999 isolate the tasks a (0, 1)
 # filter excludes as all-fail and all-pass.
 PASS_RATE_BUCKETS: tuple[float, ...] = (

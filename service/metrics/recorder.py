@@ -105,38 +105,6 @@ def pass_rate_bucket_counts(pass_rates: ArrayLike) -> np.ndarray:
     return np.searchsorted(rates, PASS_RATE_BUCKETS, side="right").astype(np.int64)
 
 
-# (phrase in the error message, reason), first match wins: the messages of
-# service/validation.py, service/codec.py and service/scheduler.py.
-_REASON_PHRASES: tuple[tuple[str, str], ...] = (
-    ("buffer full", "buffer_full"),
-    ("longer than the token budget", "too_long"),
-    ("is not finite", "non_finite"),
-    ("is outside [", "token_out_of_range"),
-    ("unknown task", "unknown_task"),
-    ("duplicate in this batch", "duplicate_in_batch"),
-    ("entries but token_ids has", "length_mismatch"),
-    ("empty sequence", "length_mismatch"),
-    ("field action_mask", "bad_action_mask"),
-    ("is negative; versions", "bad_policy_version"),
-    ("ahead of the newest policy version", "bad_policy_version"),
-    ("group_size", "group_overflow"),
-    ("belongs to task", "group_overflow"),
-    ("arrow_ipc", "malformed"),
-    ("null", "malformed"),
-    ("empty", "malformed"),
-)
-
-
-def reject_reason(error: BaseException | str) -> str:
-    """The REJECT_REASONS value of a rejected batch's error: its `reason` attribute when it
-    has one, else classified from the message ("other" when nothing matches)."""
-    reason = getattr(error, "reason", None)
-    if reason in REJECT_REASONS:
-        return reason
-    message = str(error)
-    return next((r for phrase, r in _REASON_PHRASES if phrase in message), "other")
-
-
 class RlfeedMetrics:
     """All sidecar metrics on a private registry, plus the newest step's layout picture."""
 
@@ -451,5 +419,4 @@ __all__: Sequence[str] = (
     "StepPrice",
     "pass_rate_bucket_counts",
     "price_step",
-    "reject_reason",
 )

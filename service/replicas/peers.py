@@ -1,27 +1,10 @@
-"""Between the front-ends (replicas) of one sidecar: what one holds, another can fetch.
+"""The private peer service between the front-ends of one sidecar, and its client.
 
-Each front-end keeps the ingest batches it decoded and the responses of the steps it
-materialized in its own memory. With several front-ends on one scheduler actor, a step can
-read batches that reached other front-ends, and a rank can ask any front-end for a step
-another one stored. So every front-end also listens on a private peer address (registered
-with the actor) and answers these calls from its peers:
-
-- `GetPayload`: an ingest batch's token columns, by key, as an Arrow IPC stream (one row per
-  rollout, `large_list` columns sharing the batch's offsets: built over the held arrays
-  without a copy, written with one).
-- `GetStoredResponse`: a rank's response of a step, the exact bytes served (the rank counts
-  as served there, as after a first fetch).
-- `StepStored`: "I stored step s": a front-end announces each step it materialized, so a
-  rank waiting for it at another front-end is answered at once, by forwarding its
-  GetBatch to the announcer (the public BatchServing service, which the peer address also
-  serves: the announcer records the fetch in its own order, after the step's store).
-
-Internal and versioned with the code (every replica runs the same build): raw bytes through
-generic handlers, not part of the public `rlfeed.proto` contract, served by a server of
-its own on the peer address only (with the public BatchServing, for forwarded fetches). A
-key or step the peer no longer holds is NOT_FOUND; the scheduler's release rules make that
-an answer only for a step moved out meanwhile (ask the actor again), never for a batch a
-planned step reads.
+Calls: `GetPayload` (an ingest batch's columns by key, as one Arrow IPC stream),
+`GetStoredResponse` (a rank's response of a stored step, the exact bytes served) and
+`StepStored` (a step was stored there: ranks waiting elsewhere are forwarded to it).
+Internal and versioned with the code: raw bytes through generic handlers, not part of
+the public `rlfeed.proto` contract, on the peer port only. See `frontend/README.md`.
 """
 
 from __future__ import annotations

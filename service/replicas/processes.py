@@ -1,23 +1,10 @@
 """More front-ends for one sidecar: `[server] replicas` > 1 runs that many `rlfeed serve`
-processes on one gRPC port and one scheduler actor.
+processes on one port (SO_REUSEPORT) and one scheduler actor; one front-end saturates
+about one core. Replica i serves metrics on `metrics_port + i`.
 
-One Python interpreter decodes, validates, materializes and moves every byte of a
-front-end, so one front-end saturates about one core. The first `rlfeed serve` starts Ray,
-the actor and its own front-end; `start_replicas` then starts the others as
-`rlfeed serve --join` processes with the same resolved config. All bind the port with
-SO_REUSEPORT, so the kernel spreads client connections (a producer's or a rank's channel)
-over them, and each registers a private peer address with the actor, through which the
-others fetch the ingest batches and step responses it holds (`service/peers.py`). Each
-replica with metrics serves them on `metrics_port + i`: its own front-end's counters (sum
-them over replicas) and the actor's gauges (the same in every replica).
-
-The front-ends are one sidecar, not independent servers: each holds ingest batches that
-steps of the others read and responses that ranks anywhere may ask for. A replica told to
-stop (SIGTERM) therefore hands them over before it leaves (`SidecarServicer.hand_over`:
-into the object store, owned by the actor) and exits 0; the sidecar runs on without it.
-A replica that exits otherwise (killed, or a failed hand-over: exit code not 0) may have
-taken data along, so the first process then stops the whole sidecar (exit 1). The first
-process stops its replicas when it stops.
+A replica told to stop (SIGTERM) hands its data over and exits 0; one that exits
+otherwise may have taken data along, so the first process then stops the whole sidecar
+(exit 1). The first process stops its replicas when it stops.
 """
 
 from __future__ import annotations

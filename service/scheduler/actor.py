@@ -1,32 +1,10 @@
-"""The named Ray actor that hosts the sidecar's `Scheduler` (a thin shell, no logic).
+"""The named Ray actor that hosts the sidecar's `Scheduler`: a thin shell, no logic.
 
-One actor per sidecar, named `config.ray.actor_name` in `config.ray.namespace`, so any
-process of the Ray cluster (`rlfeed status` tooling, the metrics exporter, front-end
-replicas) can find it with `ray.get_actor`. Calls run one at a time, in order, which is
-what makes the scheduler's state changes a journal-able sequence.
-
-Bulk data stays out of the actor's method queue: `ingest` gets small metadata arrays and
-a handle of each batch's TokenColumns (one call for the batches that reach a front-end
-while its previous call is in flight), which stay in the memory of
-the gRPC front-end that decoded them (no copy into the object store). A batch that makes
-steps ready has them planned in the same call; the reply carries each step's work, and the
-front-end materializes and serves it (the bulk work stays out of the actor), then tells the
-actor with a `StoreStepNote`. Such notes, and `FetchNote`s of first fetches the front-end
-answered from its memory, ride along with the front-end's next call (`notes`, applied
-first, in order) instead of costing a call each: on a small machine each Ray call costs
-the front-end about a millisecond of its single interpreter. The actor keeps each rank's
-response handle until the step is released (`retained_steps`): the marker of the
-front-end that holds the bytes, or, once that front-end moved them out (`move_step`), an
-object reference. A replica leaving hands what it holds to this actor (`adopt_payloads`,
-`adopt_step`), which puts it into the object store itself, so that it outlives that
-process.
-Front-ends register with their peer address (`register_frontend`), so they can fetch from
-each other; what the scheduler stops needing is sorted per front-end
-(`_take_releases`) and handed over with its next `ingest` or `sync` answer.
-
-Expected failures come back as values rather than as Ray-wrapped exceptions: `("ok",
-result)` / `("invalid", message)` / `("backpressure", message)`, and for `ingest` an
-`IngestReply` per batch whose `kind` says the same.
+One actor per sidecar, named `config.ray.actor_name`, so every front-end and tool finds it
+with `ray.get_actor`. Calls run one at a time, in order. Only metadata and handles pass
+through it; how front-ends, notes and releases use it is told in `frontend/README.md`.
+Expected failures come back as values (`IngestReply.kind`, `Fetch.kind`, `Refused`), not
+as Ray-wrapped exceptions.
 """
 
 from __future__ import annotations
@@ -37,9 +15,22 @@ from typing import Any
 
 import ray
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.frontend.validation import InvalidBatchError
-from rlfeed.service.scheduler.records import FetchNote, IngestReply, Releases, StoreStepNote
-from rlfeed.service.scheduler.state import BackpressureError, BatchMeta, Scheduler
+from rlfeed.service.errors import BackpressureError, InvalidBatchError
+from rlfeed.service.scheduler.records import (
+    BatchHandle,
+    BatchMeta,
+    Fetch,
+    FetchKind,
+    FetchNote,
+    IngestKind,
+    IngestReply,
+    Refused,
+    Releases,
+    SampleResult,
+    StoredObject,
+    StoreStepNote,
+)
+from rlfeed.service.scheduler.state import Scheduler
 
 _log = logging.getLogger("rlfeed.service.scheduler.actor")
 _MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
@@ -81,14 +72,15 @@ class SchedulerActor:
         """Front-end id -> peer address, of every registered front-end."""
         return {frontend_id: f.peer_address for frontend_id, f in self._frontends.items()}
 
-    def register_tasks(self, task_ids: list[str]) -> tuple[str, Any]:
+    def register_tasks(self, task_ids: list[str]) -> tuple[int, int] | Refused:
+        """(added, total), or Refused naming the bad task id."""
         try:
-            return "ok", self._scheduler.register_tasks(task_ids)
+            return self._scheduler.register_tasks(task_ids)
         except ValueError as exc:
-            return "invalid", str(exc)
+            return Refused(str(exc))
 
-    def sample_tasks(self, n: int) -> tuple[str, Any]:
-        return "ok", self._scheduler.sample_tasks(n)
+    def sample_tasks(self, n: int) -> SampleResult:
+        return self._scheduler.sample_tasks(n)
 
     def sync(self, frontend_id: str, notes: list) -> Releases:
         """Apply a front-end's notes; returns what it may free now."""
@@ -117,7 +109,7 @@ class SchedulerActor:
         and hand `frontend_id` its share."""
         payloads, steps = self._scheduler.take_releases()
         for handle in payloads:
-            if not isinstance(handle, tuple):  # [ObjectRef]: freed with this reference
+            if not isinstance(handle, BatchHandle):  # StoredObject: freed with its reference
                 continue
             owner, key = handle
             if owner in self._frontends:  # a front-end that left took its memory along
@@ -153,10 +145,11 @@ class SchedulerActor:
             result = self._scheduler.ingest_batch(meta, payload)
         except (InvalidBatchError, BackpressureError) as exc:
             self._scheduler.record_rejection()
-            kind = "invalid" if isinstance(exc, InvalidBatchError) else "backpressure"
-            return IngestReply(kind=kind, result=None, message=str(exc))
+            invalid = isinstance(exc, InvalidBatchError)
+            kind = IngestKind.INVALID if invalid else IngestKind.BACKPRESSURE
+            return IngestReply(kind=kind, result=None, message=str(exc), reason=exc.reason)
         work = self._scheduler.plan_ready_steps() if result.steps_ready else []
-        return IngestReply(kind="ok", result=result, work=work)
+        return IngestReply(kind=IngestKind.OK, result=result, work=work)
 
     def record_rejection(self, frontend_id: str, notes: list) -> None:
         self.apply_notes(notes)
@@ -169,11 +162,11 @@ class SchedulerActor:
     def adopt_payloads(self, frontend_id: str, notes: list, columns: dict[int, Any]) -> list[int]:
         """A front-end leaving hands over the ingest batches it holds (key -> TokenColumns):
         they go into the object store, put there by this actor so that they outlive that
-        process, and their handles (frontend_id, key) become [ObjectRef]. Returns the
-        unstored steps whose work still names the old handles."""
+        process, and their handles become StoredObjects. Returns the unstored steps whose
+        work still names the old handles."""
         self.apply_notes(notes)
         return self._scheduler.rehome_payloads(
-            {(frontend_id, key): [ray.put(batch)] for key, batch in columns.items()}
+            {BatchHandle(frontend_id, key): StoredObject(ray.put(b)) for key, b in columns.items()}
         )
 
     def unstored_steps(self, steps: list[int]) -> list[int]:
@@ -185,11 +178,11 @@ class SchedulerActor:
         is served from now on. False if the step was released meanwhile (nothing kept)."""
         if not self._scheduler.held_steps([step]):
             return False
-        return self._scheduler.move_step(step, [[ray.put(r)] for r in responses])
+        return self._scheduler.move_step(step, [StoredObject(ray.put(r)) for r in responses])
 
-    def move_step(self, step: int, responses: list[list]) -> bool:
+    def move_step(self, step: int, responses: list[StoredObject]) -> bool:
         """A front-end moved a held step's bytes into the object store (its memory is
-        full): responses[rank] = [ObjectRef]; False if the step was released meanwhile."""
+        full): one per rank; False if the step was released meanwhile."""
         return self._scheduler.move_step(step, responses)
 
     def stop_sidecar(self) -> None:
@@ -200,24 +193,23 @@ class SchedulerActor:
     def sidecar_stopping(self) -> bool:
         return self._sidecar_stopping
 
-    def fetch_batch(self, step: int, rank: int) -> tuple[str, Any]:
-        """("ready", that rank's handle, see store_step) | ("waiting", next_step) |
-        ("released", next_step) | ("invalid", message)."""
+    def fetch_batch(self, step: int, rank: int) -> Fetch:
         try:
             result = self._scheduler.fetch_batch(step, rank)
         except ValueError as exc:
-            return "invalid", str(exc)
+            return Fetch(FetchKind.INVALID, str(exc))
         if result.ready:
-            return "ready", result.payload
-        return ("released" if result.released else "waiting"), self._scheduler.next_step
+            return Fetch(FetchKind.READY, result.payload)
+        kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
+        return Fetch(kind, self._scheduler.next_step)
 
-    def record_report(self, rank: int, report: dict[str, float]) -> tuple[str, Any]:
-        """("ok", None) | ("invalid", message): a rank outside the world or a negative step."""
+    def record_report(self, rank: int, report: dict[str, float]) -> Refused | None:
+        """Refused for a rank outside the world or a negative step."""
         try:
             self._scheduler.record_report(rank, report)
         except ValueError as exc:
-            return "invalid", str(exc)
-        return "ok", None
+            return Refused(str(exc))
+        return None
 
     def status(self) -> Any:
         return replace(

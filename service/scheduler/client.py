@@ -1,5 +1,5 @@
-"""How a gRPC front-end talks to the scheduler actor: one submission order for all its
-calls, with pending notes riding along (`ActorCalls`), and group commit for ingest
+"""How a front-end talks to the scheduler actor: typed methods in one submission order,
+with pending notes riding along (`SchedulerClient`), and group commit for ingest
 (`IngestGroups`).
 """
 
@@ -7,23 +7,37 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import ray
-from rlfeed.service.scheduler.records import BatchMeta, FetchNote, IngestReply, StoreStepNote
+from rlfeed.service.scheduler.records import (
+    BatchHandle,
+    BatchMeta,
+    Fetch,
+    FetchNote,
+    IngestReply,
+    Refused,
+    Releases,
+    SampleResult,
+    StatusSnapshot,
+    StoredObject,
+    StoreStepNote,
+)
 
 
-class ActorCalls:
-    """This front-end's calls to the scheduler actor, submitted in one order, with the
-    pending notes (StoreStepNote / FetchNote) riding along on the next call.
+class SchedulerClient:
+    """One front-end's calls to the scheduler actor, each a typed method that waits for
+    the answer (Ray errors propagate: the caller answers UNAVAILABLE).
 
-    Taking the notes and submitting the call happen under one lock: Ray runs one caller's
-    calls to an actor in submission order, so the actor sees a step's StoreStepNote before
-    any FetchNote of it, and both before any later call of this front-end."""
+    Pending notes (StoreStepNote / FetchNote) ride along on the next call. Taking the notes
+    and submitting the call happen under one lock: Ray runs one caller's calls to an actor
+    in submission order, so the actor sees a step's StoreStepNote before any FetchNote of
+    it, and both before any later call of this front-end."""
 
     def __init__(self, actor: ray.actor.ActorHandle, frontend_id: str) -> None:
         self.actor = actor
         self.frontend_id = frontend_id
-        self._notes: list = []
+        self._notes: list[StoreStepNote | FetchNote] = []
         self._notes_lock = threading.Lock()
         self._submit_lock = threading.Lock()
 
@@ -31,38 +45,97 @@ class ActorCalls:
         with self._notes_lock:
             self._notes.append(note)
 
-    def _take_notes(self) -> list:
+    def _take_notes(self) -> list[StoreStepNote | FetchNote]:
         with self._notes_lock:
             notes, self._notes = self._notes, []
             return notes
 
-    def submit_with_notes(self, method: str, *args) -> ray.ObjectRef:
+    def _with_notes(self, method: str, *args) -> Any:
         """`actor.method(frontend_id, notes, *args)`, for the methods that take the notes."""
         with self._submit_lock:
-            return getattr(self.actor, method).remote(self.frontend_id, self._take_notes(), *args)
+            ref = getattr(self.actor, method).remote(self.frontend_id, self._take_notes(), *args)
+        return ray.get(ref)
 
-    def submit(self, method: str, *args) -> ray.ObjectRef:
+    def _after_notes(self, method: str, *args) -> Any:
         """`actor.method(*args)`, after the pending notes (sent alone if there are any)."""
         with self._submit_lock:
             notes = self._take_notes()
             if notes:
                 self.actor.apply_notes.remote(notes)
-            return getattr(self.actor, method).remote(*args)
+            ref = getattr(self.actor, method).remote(*args)
+        return ray.get(ref)
 
-    def sync(self, force: bool = False) -> ray.ObjectRef | None:
+    # ---- ingest and tasks ------------------------------------------------------------
+
+    def ingest(self, batches: list[tuple[BatchMeta, BatchHandle | None]]) -> list[IngestReply]:
+        return self._with_notes("ingest", batches)
+
+    def record_rejection(self) -> None:
+        """Count a batch this front-end refused before the actor saw it (not waited for)."""
+        with self._submit_lock:
+            self.actor.record_rejection.remote(self.frontend_id, self._take_notes())
+
+    def register_tasks(self, task_ids: list[str]) -> tuple[int, int] | Refused:
+        return self._after_notes("register_tasks", task_ids)
+
+    def sample_tasks(self, n: int) -> SampleResult:
+        return self._after_notes("sample_tasks", n)
+
+    # ---- serving ---------------------------------------------------------------------
+
+    def fetch_batch(self, step: int, rank: int) -> Fetch:
+        return self._after_notes("fetch_batch", step, rank)
+
+    def record_report(self, rank: int, report: dict[str, float]) -> Refused | None:
+        return self._after_notes("record_report", rank, report)
+
+    def status(self) -> StatusSnapshot:
+        return self._after_notes("status")
+
+    def sync(self, force: bool = False) -> Releases | None:
         """Send the pending notes (if any, or if `force`) in a call that answers with what
-        this front-end may free (`Releases`); None if nothing was sent."""
+        this front-end may free; None if nothing was sent."""
         with self._submit_lock:
             notes = self._take_notes()
-            if notes or force:
-                return self.actor.sync.remote(self.frontend_id, notes)
-            return None
+            if not (notes or force):
+                return None
+            ref = self.actor.sync.remote(self.frontend_id, notes)
+        return ray.get(ref)
+
+    # ---- stored steps and replicas -----------------------------------------------------
+
+    def held_steps(self, steps: list[int]) -> list[int]:
+        return self._after_notes("held_steps", steps)
+
+    def move_step(self, step: int, responses: list[StoredObject]) -> bool:
+        return self._after_notes("move_step", step, responses)
+
+    def register(self, peer_address: str) -> None:
+        ray.get(self.actor.register_frontend.remote(self.frontend_id, peer_address))
+
+    def unregister(self, timeout_s: float) -> None:
+        ray.get(self.actor.unregister_frontend.remote(self.frontend_id), timeout=timeout_s)
+
+    def frontend_addresses(self) -> dict[str, str]:
+        return ray.get(self.actor.frontend_addresses.remote())
+
+    def sidecar_stopping(self) -> bool:
+        return self._after_notes("sidecar_stopping")
+
+    def adopt_payloads(self, columns: dict[int, Any]) -> list[int]:
+        return self._with_notes("adopt_payloads", columns)
+
+    def adopt_step(self, step: int, responses: list[bytes]) -> bool:
+        return self._after_notes("adopt_step", step, responses)
+
+    def unstored_steps(self, steps: list[int]) -> list[int]:
+        return self._after_notes("unstored_steps", steps)
 
 
 class _PendingIngest:
     """One handler thread's batch waiting in `IngestGroups`."""
 
-    def __init__(self, meta: BatchMeta, handle: tuple[str, int] | None) -> None:
+    def __init__(self, meta: BatchMeta, handle: BatchHandle | None) -> None:
         self.meta, self.handle = meta, handle
         self.done = threading.Event()  # answered, or asked to lead the next call
         self.lead = False
@@ -85,7 +158,7 @@ class IngestGroups:
         self._waiting: list[_PendingIngest] = []
         self._leading = False
 
-    def ingest(self, meta: BatchMeta, handle: tuple[str, int] | None) -> IngestReply:
+    def ingest(self, meta: BatchMeta, handle: BatchHandle | None) -> IngestReply:
         mine = _PendingIngest(meta, handle)
         with self._lock:
             self._waiting.append(mine)

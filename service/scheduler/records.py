@@ -1,24 +1,46 @@
-"""The values the scheduler takes and returns: small, plain, picklable records.
+"""The values that cross the scheduler actor's boundary: small, plain, picklable records.
 
-`BatchMeta` is the per-rollout metadata of one ingest call; `IngestResult`, `FetchResult`,
-`SampleResult` and `StatusSnapshot` are answers; `StepRecord` and `Counters` are the
-statistics the metrics exporter publishes (`StepRecord` per assembled step, `Counters`
-monotonic since start).
+`BatchMeta` is the per-rollout metadata of one ingest call and the handles name where bulk
+bytes live; `IngestReply`, `Fetch`, `Refused`, `SampleResult` and `StatusSnapshot` are
+answers; `StepWork` is a planned step for a front-end to materialize; `StepRecord` and
+`Counters` are the statistics the metrics publish. numpy only: no Ray, gRPC or Arrow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, NamedTuple
 
 import numpy as np
-from rlfeed.service.frontend.codec import RolloutBatchArrays
+from rlfeed.sched.assembly import StepPlan
+from rlfeed.service.errors import RejectReason
 
 
-class BackpressureError(RuntimeError):
-    """The buffer is full (max_buffered_rollouts); the batch was not taken. Retry later."""
+class BatchHandle(NamedTuple):
+    """An ingest batch's columns in the memory of the front-end that decoded it."""
 
-    reason = "buffer_full"  # the metrics' reject reason
+    frontend_id: str
+    key: int
+
+
+class HeldBy(NamedTuple):
+    """A step's response bytes in the memory of the front-end that stored them."""
+
+    frontend_id: str
+
+
+class StoredObject(NamedTuple):
+    """Bytes in Ray's object store. The reference stays wrapped: Ray resolves only
+    top-level ObjectRef arguments, and the actor must keep the reference, not the bytes."""
+
+    ref: Any  # ray.ObjectRef
+
+
+class Refused(NamedTuple):
+    """An input the scheduler refused (INVALID_ARGUMENT); the message names what."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -32,18 +54,6 @@ class BatchMeta:
     rewards: np.ndarray  # float64 [n]
     lengths: np.ndarray  # int64 [n] tokens
     policy_tokens: np.ndarray  # int64 [n] action-mask tokens
-
-    @classmethod
-    def from_arrays(cls, batch: RolloutBatchArrays) -> BatchMeta:
-        return cls(
-            rollout_ids=batch.rollout_ids,
-            task_ids=batch.task_ids,
-            group_ids=batch.group_ids,
-            policy_versions=np.asarray(batch.policy_versions, dtype=np.int64),
-            rewards=np.asarray(batch.rewards, dtype=np.float64),
-            lengths=batch.lengths.astype(np.int64),
-            policy_tokens=batch.policy_tokens,
-        )
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ class StoreStepNote:
     the actor with its next call instead of as a call of its own."""
 
     step: int
-    handles: list[Any]  # per rank: the front-end's marker, or [ObjectRef]
+    handles: list[HeldBy | StoredObject]  # per rank
     response_bytes: int
 
 
@@ -91,15 +101,35 @@ class Releases:
 
 
 @dataclass(frozen=True)
+class StepWork:
+    """Everything needed to materialize one planned step, away from the scheduler."""
+
+    step: int
+    plan: StepPlan
+    rows: list[tuple[int, int]]  # per step rollout: (batch key, row in that batch)
+    rollout_ids: list[str]  # per step rollout
+    policy_versions: np.ndarray  # int64, per step rollout
+    payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
+    record: StepRecord | None = None  # response_bytes still 0 (set by store_step)
+
+
+class IngestKind(str, Enum):
+    OK = "ok"
+    INVALID = "invalid"  # INVALID_ARGUMENT
+    BACKPRESSURE = "backpressure"  # RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
 class IngestReply:
     """The actor's answer to one batch of an ingest call: the batch's outcome, the work of
     every step it made ready (planned in the same call) and, on the call's last batch, what
     the calling front-end may free."""
 
-    kind: str  # "ok" | "invalid" | "backpressure"
-    result: IngestResult | None  # for "ok"
-    message: str = ""  # for "invalid" / "backpressure"
-    work: list[Any] = field(default_factory=list)  # StepWork, in step order
+    kind: IngestKind
+    result: IngestResult | None  # for OK
+    message: str = ""  # for INVALID / BACKPRESSURE
+    reason: RejectReason | None = None  # for INVALID / BACKPRESSURE
+    work: list[StepWork] = field(default_factory=list)  # in step order
     releases: Releases = field(default_factory=Releases)
 
 
@@ -108,6 +138,20 @@ class FetchResult:
     ready: bool  # the step is assembled and still held
     released: bool = False  # the step was assembled but is no longer held
     payload: Any = None  # what store_step kept for the rank: response bytes or a handle
+
+
+class FetchKind(str, Enum):
+    READY = "ready"  # value: the rank's handle (HeldBy | StoredObject)
+    WAITING = "waiting"  # value: the next step to be assembled
+    RELEASED = "released"  # value: the next step to be assembled
+    INVALID = "invalid"  # value: the message (a rank outside the world, a negative step)
+
+
+class Fetch(NamedTuple):
+    """The actor's answer to a GetBatch it was asked about."""
+
+    kind: FetchKind
+    value: Any
 
 
 @dataclass(frozen=True)

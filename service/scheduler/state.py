@@ -1,29 +1,22 @@
-"""The sidecar's scheduling state and logic, as a plain Python class (no Ray, no gRPC).
+"""The sidecar's scheduling state and logic, as a plain Python class (no Ray, gRPC or Arrow).
 
 `Scheduler` owns the task pool and its pass-rate estimates, the buffered groups, the
-assembled steps and the counters. Every state change is one of a few explicit methods
-(`register_tasks`, `sample_tasks`, `ingest_batch`, `assemble_ready_steps`, `fetch_batch`,
-`record_report`, `record_rejection`), each deterministic given its arguments and the
-state, so a write-ahead journal can record the calls and replay them to the same state
-and the same served bytes. `service/actors.py` hosts one instance in a named Ray actor.
-
-Bulk token data never passes through here row by row: `ingest_batch` receives per-rollout
-metadata arrays plus an opaque payload handle for the batch's TokenColumns (in the sidecar,
-a key into the memory of the gRPC front-end that decoded the batch; the columns themselves
-in tests); `resolve(handle)` is called only when a step is materialized, once per batch
-involved.
+planned steps and the counters. Every state change is one of a few explicit methods, each
+deterministic given its arguments and the state, so a journal can replay them to the same
+state. Bulk token data never passes through here: `ingest_batch` takes per-rollout
+metadata and an opaque handle of the batch's columns (`BatchHandle` in the sidecar).
+`actor.py` hosts one instance in a named Ray actor.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from rlfeed.sched.advantages import zero_advantage_groups
-from rlfeed.sched.assembly import StepRollouts, TokenColumns, assemble_step
+from rlfeed.sched.assembly import TOKEN_BYTES, StepRollouts, assemble_step
 from rlfeed.sched.curriculum import (
     grow,
     init_pass_rates,
@@ -32,10 +25,9 @@ from rlfeed.sched.curriculum import (
     update_pass_rates,
 )
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.frontend.materialize import StepWork, materialize_work
-from rlfeed.service.frontend.validation import rollout_error
+from rlfeed.service.errors import BackpressureError, RejectReason, rollout_error
 from rlfeed.service.scheduler.records import (
-    BackpressureError,
+    BatchHandle,
     BatchMeta,
     Counters,
     FetchResult,
@@ -43,27 +35,27 @@ from rlfeed.service.scheduler.records import (
     SampleResult,
     StatusSnapshot,
     StepRecord,
+    StepWork,
 )
 
-__all__ = [  # the records are re-exported: callers import them from here
-    "BackpressureError",
-    "BatchMeta",
-    "Counters",
-    "FetchResult",
-    "IngestResult",
-    "SampleResult",
-    "Scheduler",
-    "StatusSnapshot",
-    "StepRecord",
-]
+
+class _Row(NamedTuple):
+    """One buffered rollout (the per-rollout hot path: a tuple, not an object)."""
+
+    arrival: int
+    batch_key: int
+    row: int  # in its ingest batch
+    rollout_id: str
+    policy_version: int
+    reward: float
+    length: int  # tokens
+    policy_tokens: int
 
 
 @dataclass
 class _Group:
     task_id: str
-    # One tuple per buffered rollout: (arrival, batch_key, row, rollout_id, version, reward,
-    # length, policy_tokens); tuples, not objects, because this is the per-rollout hot path.
-    rows: list[tuple] = field(default_factory=list)
+    rows: list[_Row] = field(default_factory=list)
     min_version: int = 2**62
 
 
@@ -80,21 +72,10 @@ class _Step:
 
 class Scheduler:
     """All scheduling state of one sidecar. Not thread-safe: the actor serializes calls.
+    It never materializes a step: `plan_ready_steps` hands the work to a front-end."""
 
-    resolve(handle) -> TokenColumns turns an ingest payload handle into columns (identity in
-    tests); it is used by `assemble_ready_steps` only. The actor never materializes: its
-    front-end resolves handles to the columns in its own memory.
-    """
-
-    def __init__(
-        self,
-        config: SidecarConfig,
-        *,
-        resolve: Callable[[Any], TokenColumns] = lambda handle: handle,
-        track_releases: bool = False,
-    ) -> None:
+    def __init__(self, config: SidecarConfig, *, track_releases: bool = False) -> None:
         self.config = config
-        self._resolve = resolve
         # When set, what the scheduler stops needing is kept for the front-end that holds
         # the bytes, to free at once (`take_releases`): payload handles and released steps.
         self._released: list[Any] | None = [] if track_releases else None
@@ -144,9 +125,6 @@ class Scheduler:
             self._pass_rates = grow(self._pass_rates, len(self._task_ids))
         return added, len(self._task_ids)
 
-    def is_known_task(self, task_id: str) -> bool:
-        return task_id in self._task_index
-
     def sample_tasks(self, n: int) -> SampleResult:
         """Tasks to roll out next (curriculum.select_tasks); n = 0 means prompts_per_step."""
         n = n or self.config.rollouts.prompts_per_step
@@ -176,63 +154,40 @@ class Scheduler:
         The work is per group of the batch, not per rollout, wherever it can be: this is
         the actor's hot path (one call per batch, all producers).
         """
-        rollouts = self.config.rollouts
-        ids, tasks, versions = meta.rollout_ids, meta.task_ids, meta.policy_versions.tolist()
-        n = len(ids)
         by_group: dict[str, list[int]] = {}  # fresh rows of each group, in row order
-        seen = self._seen
-        for row, (rollout_id, group_id) in enumerate(zip(ids, meta.group_ids, strict=True)):
-            if rollout_id not in seen:
+        for row, (rollout_id, group_id) in enumerate(
+            zip(meta.rollout_ids, meta.group_ids, strict=True)
+        ):
+            if rollout_id not in self._seen:
                 by_group.setdefault(group_id, []).append(row)
-        fresh = sum(map(len, by_group.values()))
+        versions = meta.policy_versions.tolist()
         newest = max([self._newest_version] + [versions[r] for g in by_group.values() for r in g])
-        oldest_allowed = newest - rollouts.max_policy_lag
+        stale_groups, freed = self._admit(meta, by_group, newest)
+        return self._apply(meta, payload, by_group, newest, stale_groups, freed)
 
-        # Phase 1: check everything against the state; mutate nothing.
+    def _admit(
+        self, meta: BatchMeta, by_group: dict[str, list[int]], newest: int
+    ) -> tuple[set[str], int]:
+        """Check the batch's fresh rows against the state, changing nothing: raises what
+        `ingest_batch` refuses with; returns the groups that go stale (the batch's own and
+        buffered ones the newest version leaves behind) and the buffered rollouts they free."""
+        rollouts = self.config.rollouts
+        ids, tasks = meta.rollout_ids, meta.task_ids
+        oldest_allowed = newest - rollouts.max_policy_lag
         unknown = {tasks[row] for rows in by_group.values() for row in rows}
         unknown.difference_update(self._task_index)
         if unknown:
             row = min(row for rows in by_group.values() for row in rows if tasks[row] in unknown)
-            raise rollout_error(
-                ids[row], "task_id", f"unknown task {tasks[row]!r}", reason="unknown_task"
-            )
+            problem = f"unknown task {tasks[row]!r}"
+            raise rollout_error(ids[row], "task_id", problem, reason=RejectReason.UNKNOWN_TASK)
         self._check_version_jump(meta, by_group)
         stale_groups: set[str] = set()
         incoming = opening = 0  # fresh rollouts taken; those of them that open a new group
         for group_id, rows in by_group.items():
-            task_id = tasks[rows[0]]
             group = self._group(group_id)
-            group_task = group.task_id if group else task_id
-            for row in rows:
-                if tasks[row] != group_task:
-                    raise rollout_error(
-                        ids[row],
-                        "group_id",
-                        f"group {group_id!r} belongs to task {group_task!r}",
-                        reason="group_overflow",
-                    )
-            closed = self._closed.get(group_id, (None,))[0]
-            if closed == "stale":
+            if self._goes_stale(meta, group_id, rows, group, oldest_allowed):
                 stale_groups.add(group_id)
                 continue
-            if closed is not None or group_id in self._complete:
-                raise rollout_error(
-                    ids[rows[0]],
-                    "group_id",
-                    f"group {group_id!r} already has its {rollouts.group_size} rollouts",
-                    reason="group_overflow",
-                )
-            if min(versions[row] for row in rows) < oldest_allowed:
-                stale_groups.add(group_id)
-                continue
-            room = rollouts.group_size - (len(group.rows) if group else 0)
-            if len(rows) > room:
-                raise rollout_error(
-                    ids[rows[room]],
-                    "group_id",
-                    f"group {group_id!r} would exceed group_size {rollouts.group_size}",
-                    reason="group_overflow",
-                )
             incoming += len(rows)
             opening += len(rows) if group is None else 0
         if newest > self._newest_version:
@@ -253,11 +208,67 @@ class Scheduler:
                 f"{incoming} ({opening} opening new groups), max_buffered_rollouts = "
                 f"{rollouts.max_buffered_rollouts}; retry once trainer ranks fetch a step"
             )
+        return stale_groups, freed
 
-        # Phase 2: apply.
+    def _goes_stale(
+        self,
+        meta: BatchMeta,
+        group_id: str,
+        rows: list[int],
+        group: _Group | None,
+        oldest_allowed: int,
+    ) -> bool:
+        """Whether the batch's fresh `rows` of `group_id` go stale (the group closed as
+        stale, or a row older than `oldest_allowed`); InvalidBatchError if they name another
+        task than the group's or do not fit in it (a closed group takes none)."""
+        ids, tasks, group_size = meta.rollout_ids, meta.task_ids, self.config.rollouts.group_size
+        group_task = group.task_id if group else tasks[rows[0]]
+        for row in rows:
+            if tasks[row] != group_task:
+                raise rollout_error(
+                    ids[row],
+                    "group_id",
+                    f"group {group_id!r} belongs to task {group_task!r}",
+                    reason=RejectReason.GROUP_OVERFLOW,
+                )
+        closed = self._closed.get(group_id, (None,))[0]
+        if closed == "stale":
+            return True
+        if closed is not None or group_id in self._complete:
+            raise rollout_error(
+                ids[rows[0]],
+                "group_id",
+                f"group {group_id!r} already has its {group_size} rollouts",
+                reason=RejectReason.GROUP_OVERFLOW,
+            )
+        versions = meta.policy_versions
+        if min(int(versions[row]) for row in rows) < oldest_allowed:
+            return True
+        room = group_size - (len(group.rows) if group else 0)
+        if len(rows) > room:
+            raise rollout_error(
+                ids[rows[room]],
+                "group_id",
+                f"group {group_id!r} would exceed group_size {group_size}",
+                reason=RejectReason.GROUP_OVERFLOW,
+            )
+        return False
+
+    def _apply(
+        self,
+        meta: BatchMeta,
+        payload: Any,
+        by_group: dict[str, list[int]],
+        newest: int,
+        stale_groups: set[str],
+        freed: int,
+    ) -> IngestResult:
+        """Buffer the admitted batch: drop the stale groups, add the fresh rows, complete
+        the groups that reached group_size."""
+        ids, tasks, n = meta.rollout_ids, meta.task_ids, len(meta.rollout_ids)
         self._newest_version = newest
         stale_tokens = sum(
-            row[6] for g in stale_groups if self._group(g) for row in self._group(g).rows
+            row.length for g in stale_groups if self._group(g) for row in self._group(g).rows
         )
         for group_id in stale_groups:
             self._drop_group(group_id, "stale")
@@ -265,13 +276,13 @@ class Scheduler:
         self._next_batch_key += 1
         first_arrival = self._next_arrival  # arrival order = row order inside a batch
         self._next_arrival += n
-        rewards, lengths = meta.rewards.tolist(), meta.lengths.tolist()
-        policy_tokens = meta.policy_tokens.tolist()
+        versions, rewards = meta.policy_versions.tolist(), meta.rewards.tolist()
+        lengths, policy_tokens = meta.lengths.tolist(), meta.policy_tokens.tolist()
         stale = accepted = accepted_tokens = 0
         completed: list[tuple[int, str]] = []  # (completing row, group id)
         for group_id, rows in by_group.items():
             fresh_ids = [ids[row] for row in rows]
-            seen.update(fresh_ids)
+            self._seen.update(fresh_ids)
             tokens = sum(lengths[row] for row in rows)
             if group_id in stale_groups:  # closed above or before: its entry keeps the ids
                 self._closed[group_id][1].extend(fresh_ids)
@@ -280,7 +291,7 @@ class Scheduler:
                 continue
             group = self._open.setdefault(group_id, _Group(task_id=tasks[rows[0]]))
             group.rows.extend(
-                (
+                _Row(
                     first_arrival + row,
                     batch_key,
                     row,
@@ -293,15 +304,15 @@ class Scheduler:
                 for row in rows
             )
             group.min_version = min(group.min_version, *(versions[row] for row in rows))
-            # int32 id + uint8 mask + float32 log-prob per token
-            self._buffered_bytes += 9 * tokens
+            self._buffered_bytes += TOKEN_BYTES * tokens
             accepted += len(rows)
             accepted_tokens += tokens
-            if len(group.rows) == rollouts.group_size:
+            if len(group.rows) == self.config.rollouts.group_size:
                 completed.append((rows[-1], group_id))
         self._buffered_rollouts += accepted
         if accepted:
             self._payloads[batch_key] = [payload, accepted]
+        fresh = sum(map(len, by_group.values()))
         self.counters.rollouts_received += n
         self.counters.rollouts_accepted += accepted
         self.counters.rollouts_duplicate += n - fresh
@@ -314,7 +325,7 @@ class Scheduler:
             stale=stale,
             newest_policy_version=max(self._newest_version, 0),
             buffered_rollouts=self._buffered_rollouts,
-            steps_ready=len(self._complete) // rollouts.prompts_per_step,
+            steps_ready=len(self._complete) // self.config.rollouts.prompts_per_step,
             accepted_tokens=accepted_tokens,
             stale_buffered=freed,
             stale_tokens=stale_tokens,
@@ -343,7 +354,7 @@ class Scheduler:
                 f"{int(meta.policy_versions[row])} is more than max_version_jump "
                 f"{self.config.rollouts.max_version_jump} ahead of the newest policy version "
                 f"seen, {baseline}",
-                reason="bad_policy_version",
+                reason=RejectReason.BAD_POLICY_VERSION,
             )
 
     def _ranks_can_make_room(self, dropping: set[str]) -> bool:
@@ -365,10 +376,10 @@ class Scheduler:
     def _group(self, group_id: str) -> _Group | None:
         return self._open.get(group_id) or self._complete.get(group_id)
 
-    def _release_rows(self, rows: list[tuple]) -> None:
+    def _release_rows(self, rows: list[_Row]) -> None:
         for row in rows:
-            self._unref_payload(row[1])
-            self._buffered_bytes -= row[6] * 9
+            self._unref_payload(row.batch_key)
+            self._buffered_bytes -= row.length * TOKEN_BYTES
         self._buffered_rollouts -= len(rows)
 
     def _unref_payload(self, batch_key: int) -> None:
@@ -401,12 +412,12 @@ class Scheduler:
                 self.counters.rollouts_stale += len(group.rows)
         self._close(group_id, reason, group.rows if group else [])
 
-    def _close(self, group_id: str, reason: str, rows: list[tuple]) -> None:
+    def _close(self, group_id: str, reason: str, rows: list[_Row]) -> None:
         """Remember a closed group and its rollout ids (a group closed before keeps its place
         in the window and its reason: only a stale group closes again, for late rollouts)."""
         if group_id not in self._closed:
             self._closed[group_id] = (reason, [])
-        self._closed[group_id][1].extend(row[3] for row in rows)
+        self._closed[group_id][1].extend(row.rollout_id for row in rows)
 
     def _forget_old_groups(self) -> None:
         """Forget the oldest closed groups beyond `dedup_window_groups`, with their rollout
@@ -422,7 +433,7 @@ class Scheduler:
         if not group_ids:
             return
         groups = [self._open.pop(g) for g in group_ids]
-        rewards = np.array([row[5] for group in groups for row in group.rows], dtype=np.float64)
+        rewards = np.array([row.reward for group in groups for row in group.rows], dtype=np.float64)
         group_of = np.repeat(np.arange(len(groups)), [len(group.rows) for group in groups])
         # Rewards are treated as pass fractions for the estimate (clipped into [0, 1]).
         means = np.clip(np.bincount(group_of, weights=rewards) / np.bincount(group_of), 0, 1)
@@ -510,7 +521,7 @@ class Scheduler:
         serving those until `unstored_steps` says they are stored."""
         moved = set()
         for key, entry in self._payloads.items():
-            new_handle = handles.get(entry[0]) if isinstance(entry[0], tuple) else None
+            new_handle = handles.get(entry[0]) if isinstance(entry[0], BatchHandle) else None
             if new_handle is not None:
                 entry[0] = new_handle
                 moved.add(key)
@@ -528,14 +539,6 @@ class Scheduler:
             if (held := self._steps.get(step)) is not None and held.payloads is None
         ]
 
-    def assemble_ready_steps(self) -> list[int]:
-        """Plan, materialize (with `resolve`) and store every ready step; returns them."""
-        steps = []
-        for work in self.plan_ready_steps():
-            self.store_step(work.step, materialize_work(work, self._resolve))
-            steps.append(work.step)
-        return steps
-
     def _plan(self, groups: list[tuple[str, _Group]]) -> StepWork:
         rows = sorted(
             ((row, index) for index, (_, group) in enumerate(groups) for row in group.rows),
@@ -543,21 +546,21 @@ class Scheduler:
         )
         group_of = np.array([index for _, index in rows], dtype=np.int64)
         rows = [row for row, _ in rows]
-        versions = np.array([row[4] for row in rows], dtype=np.int64)
+        versions = np.array([row.policy_version for row in rows], dtype=np.int64)
         step_rollouts = StepRollouts(
-            lengths=np.array([row[6] for row in rows], dtype=np.int64),
-            policy_tokens=np.array([row[7] for row in rows], dtype=np.int64),
-            rewards=np.array([row[5] for row in rows], dtype=np.float64),
+            lengths=np.array([row.length for row in rows], dtype=np.int64),
+            policy_tokens=np.array([row.policy_tokens for row in rows], dtype=np.int64),
+            rewards=np.array([row.reward for row in rows], dtype=np.float64),
             group_ids=group_of,
         )
         plan = assemble_step(step_rollouts, self._step_config)
         step = self._next_step
-        reads = sorted({row[1] for row in rows})  # the ingest batches the step reads
+        reads = sorted({row.batch_key for row in rows})  # the ingest batches the step reads
         work = StepWork(
             step=step,
             plan=plan,
-            rows=[(row[1], row[2]) for row in rows],
-            rollout_ids=[row[3] for row in rows],
+            rows=[(row.batch_key, row.row) for row in rows],
+            rollout_ids=[row.rollout_id for row in rows],
             policy_versions=versions,
             payloads={key: self._payloads[key][0] for key in reads},
         )

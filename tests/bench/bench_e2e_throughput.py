@@ -599,9 +599,10 @@ def run_stages(case: Case) -> None:
     )
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.frontend.codec import decode_rollout_batch, parse_rollout_batch
+    from rlfeed.service.frontend.ingest import batch_meta
     from rlfeed.service.frontend.materialize import materialize_work
     from rlfeed.service.frontend.validation import validate_rollout_batch
-    from rlfeed.service.scheduler.state import BatchMeta, Scheduler
+    from rlfeed.service.scheduler.state import Scheduler
 
     per_step = case.prompts_per_step * case.group_size
     step_case = Case(case.name, case.tokens, per_step, *CASES[case.name][2:])
@@ -629,7 +630,7 @@ def run_stages(case: Case) -> None:
         for request in wire:
             arrays = decode_rollout_batch(parse_rollout_batch(request).arrow_ipc)
             validate_rollout_batch(arrays, token_budget=case.token_budget)
-            out.append((BatchMeta.from_arrays(arrays), arrays.columns))
+            out.append((batch_meta(arrays), arrays.columns))
         return out
 
     decoded = decode_validate()

@@ -19,10 +19,10 @@ from rlfeed.client import loader as loader_module
 from rlfeed.client.arrow_codec import MICROBATCH_COLUMNS, _column_tensors
 from rlfeed.client.loader import BatchLoader
 from rlfeed.client.producer import RolloutWriter
-from rlfeed.client.transport import InProcessTransport
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.demo.fleet import FleetConfig, episode
+from rlfeed.service.inprocess import InProcessTransport
 
 WORLD_SIZE = 2
 PROMPTS_PER_STEP = 3

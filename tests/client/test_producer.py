@@ -11,14 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
 from rlfeed.client.producer import RolloutWriter
-from rlfeed.client.transport import (
-    BufferFullError,
-    InProcessTransport,
-    InvalidRolloutsError,
-    SidecarError,
-)
+from rlfeed.client.transport import BufferFullError, InvalidRolloutsError, SidecarError
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.inprocess import InProcessTransport
 
 
 def make_transport(**rollouts) -> InProcessTransport:

@@ -24,6 +24,7 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.server import start_server
+from rlfeed.service.scheduler.records import FetchKind
 from rlfeed.service.testing import check_served_step, synthetic_groups
 from rlfeed.service.testing import fetch_served_bytes as fetch
 
@@ -75,7 +76,7 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
         ids = [rid for step in served for rid in check_served_step(step, rollouts)]
         assert sorted(ids) == sorted(rollouts.rollout_ids)
         stored_by = {
-            side: [s for s in range(4) if sidecar.servicer._responses.get(s) is not None]
+            side: [s for s in range(4) if sidecar.frontend.responses.get(s) is not None]
             for side, sidecar in zip(("primary", "replica"), front_ends, strict=True)
         }
         assert stored_by == {"primary": [1, 3], "replica": [0, 2]}  # the completing side
@@ -83,15 +84,15 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
             assert [fetch(channels[1 - rank], step, rank) for rank in range(2)] == served[step]
         # Without the holder's "stored" announcement, the actor's handle leads to the bytes.
         for sidecar in front_ends:
-            sidecar.servicer._stored_elsewhere.clear()
+            sidecar.frontend.signals.forget_holder()
         for step in range(4):
             assert [fetch(channels[rank], step, rank) for rank in range(2)] == served[step]
         # Every group is complete and every step stored: each front-end frees the batches
         # it decoded, although the other front-end materialized half of the steps.
         wait_until(
-            lambda: len(primary.servicer._payloads) == len(replica.servicer._payloads) == 0,
-            f"batches still held: {len(primary.servicer._payloads)}, "
-            f"{len(replica.servicer._payloads)}",
+            lambda: len(primary.frontend.payloads) == len(replica.frontend.payloads) == 0,
+            f"batches still held: {len(primary.frontend.payloads)}, "
+            f"{len(replica.frontend.payloads)}",
         )
         status = pb_grpc.SidecarStatusStub(channels[0])
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 2
@@ -114,25 +115,25 @@ def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
     references it owns (they would die with its process): the actor holds new ones."""
     primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 8})
     if cache_bytes is not None:
-        monkeypatch.setattr("rlfeed.service.frontend.server._RESPONSE_CACHE_BYTES", cache_bytes)
+        monkeypatch.setattr("rlfeed.service.frontend.state.RESPONSE_CACHE_BYTES", cache_bytes)
     replica = start_server(primary.config, join=True)
     try:
         rollouts = synthetic_groups(num_groups=10, group_size=4, rng=np.random.default_rng(24))
         channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]
         submit_halves(channels, rollouts)  # steps 0-3; the replica stores steps 0 and 2
         step_0 = [fetch(channels[1], 0, rank) for rank in range(2)]
-        wait_until(lambda: replica.servicer._newest_stored >= 2, "step 2 not stored")
+        wait_until(lambda: replica.frontend.signals.newest_stored_here >= 2, "step 2 not stored")
 
         step_4 = range(32, 40)  # its groups
         submit_half(channels[1], rollouts, step_4, (0, 1), 100)  # only the replica has these
-        moved_out = dict(replica.servicer._moved_out)
+        moved_out = replica.assembler.moved_out()
         assert bool(moved_out) == (cache_bytes is not None)
         replica.stop(grace=0.5)
         assert replica.handed_over
-        assert len(replica.servicer._payloads) > 0  # it held batches, and left them behind
+        assert len(replica.frontend.payloads) > 0  # it held batches, and left them behind
         for step, refs in moved_out.items():
             kind, handle = ray.get(primary.actor.fetch_batch.remote(step, 0))
-            assert kind == "ready" and handle[0] != refs[0][0], (step, handle)
+            assert kind is FetchKind.READY and handle.ref != refs[0].ref, (step, handle)
         submit_half(channels[0], rollouts, step_4, (2, 3), 101)  # completes it at the primary
         served = [[fetch(channels[0], step, rank) for rank in range(2)] for step in range(5)]
         assert served[0] == step_0
@@ -176,11 +177,11 @@ def test_each_fetch_is_reported_once_by_the_front_end_holding_the_step(make_side
         for holder, steps in stored_by.items():  # announced, then forgotten
             wait_until(
                 lambda holder=holder, steps=steps: all(
-                    step in other[holder].servicer._stored_elsewhere for step in steps
+                    other[holder].frontend.signals.holder(step) is not None for step in steps
                 ),
                 f"{holder}'s steps not announced",
             )
-            other[holder].servicer._stored_elsewhere.clear()
+            other[holder].frontend.signals.forget_holder()
         for step in range(4):  # rank 0 asks the primary, rank 1 the replica
             for rank in range(2):
                 fetch(channels[rank], step, rank)
@@ -213,8 +214,8 @@ def test_a_front_end_that_never_completes_a_step_still_frees_its_batches(make_si
         ids = [rid for step in served for rid in check_served_step([step], rollouts)]
         assert sorted(ids) == sorted(rollouts.rollout_ids)
         wait_until(
-            lambda: len(replica.servicer._payloads) == 0,
-            f"the replica still holds {len(replica.servicer._payloads)} batches",
+            lambda: len(replica.frontend.payloads) == 0,
+            f"the replica still holds {len(replica.frontend.payloads)} batches",
         )
         for channel in channels:
             channel.close()
@@ -241,9 +242,9 @@ def test_the_peer_service_is_not_on_the_public_port_and_a_lost_holder_falls_back
         pb_grpc.RolloutIngestStub(channel).SubmitRolloutBatch(batch, timeout=30)
         first = fetch(channel, 0, 0)
         check_served_step([first], rollouts)
-        sidecar.servicer._stored_by(0, "a-front-end-that-left")
+        sidecar.peer_queries.stored_by(0, "a-front-end-that-left")
         assert fetch(channel, 0, 0) == first  # the re-fetch would be forwarded: falls back
-        assert 0 not in sidecar.servicer._stored_elsewhere  # and the announcement is gone
+        assert sidecar.frontend.signals.holder(0) is None  # and the announcement is gone
 
 
 def _free_port() -> int:

@@ -24,7 +24,7 @@ GROUPS = {"prompts_per_step": 2, "group_size": 4}
 
 def test_steps_moved_out_of_memory_are_served_byte_identical(make_sidecar) -> None:
     sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 2})
-    sidecar.servicer._responses.max_bytes = 1  # every older step moves out
+    sidecar.frontend.responses.max_bytes = 1  # every older step moves out
     rollouts = synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(11))
     with grpc.insecure_channel(sidecar.address) as channel:
         ingest = pb_grpc.RolloutIngestStub(channel)
@@ -40,7 +40,7 @@ def test_steps_moved_out_of_memory_are_served_byte_identical(make_sidecar) -> No
         served = [rid for step in first for rid in check_served_step(step, rollouts)]
         assert sorted(served) == sorted(rollouts.rollout_ids)
         deadline = time.monotonic() + 30
-        while sidecar.servicer._responses.get(2) is not None:  # moved out by the assembler
+        while sidecar.frontend.responses.get(2) is not None:  # moved out by the assembler
             assert time.monotonic() < deadline, "step 2 never left the front-end's memory"
             time.sleep(0.01)
         # Steps 2 and 3 are retained (retained_steps = 2): a re-fetch gives the same bytes,
@@ -68,10 +68,10 @@ def test_released_steps_leave_the_front_ends_memory_at_the_next_ingest(make_side
         assert ingest.SubmitRolloutBatch(batch, timeout=30).accepted == 24  # steps 0, 1, 2
         for step in range(3):
             check_served_step([fetch(channel, step, rank) for rank in range(2)], rollouts)
-        assert all(sidecar.servicer._responses.get(step) is not None for step in range(3))
+        assert all(sidecar.frontend.responses.get(step) is not None for step in range(3))
         half_group = pb.RolloutBatch(arrow_ipc=rollouts.encode(range(24, 26)), sequence=1)
         assert ingest.SubmitRolloutBatch(half_group, timeout=30).accepted == 2
-        held = [sidecar.servicer._responses.get(step) is not None for step in range(3)]
+        held = [sidecar.frontend.responses.get(step) is not None for step in range(3)]
         assert held == [False, False, True]  # steps 0 and 1 released, step 2 retained
         for step in (0, 1):
             with pytest.raises(grpc.RpcError) as error:
@@ -82,7 +82,7 @@ def test_released_steps_leave_the_front_ends_memory_at_the_next_ingest(make_side
 
 def test_an_unfetched_step_moved_out_is_served_from_the_object_store(make_sidecar) -> None:
     sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 1})
-    sidecar.servicer._responses.max_bytes = 1
+    sidecar.frontend.responses.max_bytes = 1
     rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(12))
     with grpc.insecure_channel(sidecar.address) as channel:
         pb_grpc.TaskSamplingStub(channel).RegisterTasks(
@@ -91,7 +91,7 @@ def test_an_unfetched_step_moved_out_is_served_from_the_object_store(make_sideca
         batch = pb.RolloutBatch(arrow_ipc=rollouts.encode(), sequence=0)  # two steps at once
         assert pb_grpc.RolloutIngestStub(channel).SubmitRolloutBatch(batch, timeout=30).accepted
         deadline = time.monotonic() + 30
-        while sidecar.servicer._responses.get(0) is not None:  # the assembler moves it out
+        while sidecar.frontend.responses.get(0) is not None:  # the assembler moves it out
             assert time.monotonic() < deadline, "step 0 never left the front-end's memory"
             time.sleep(0.01)
         steps = [[fetch(channel, step, 0)] for step in (0, 1)]  # first fetches
@@ -133,11 +133,11 @@ def test_ingest_columns_are_freed_and_first_fetches_reach_the_actor(make_sidecar
         status = pb_grpc.SidecarStatusStub(channel)
         deadline = time.monotonic() + 30
         while (
-            len(sidecar.servicer._payloads) != 1
+            len(sidecar.frontend.payloads) != 1
             or status.GetStatus(pb.GetStatusRequest(), timeout=10).steps_waiting
         ):
             assert time.monotonic() < deadline, (
-                f"{len(sidecar.servicer._payloads)} batches held, waiting: "
+                f"{len(sidecar.frontend.payloads)} batches held, waiting: "
                 f"{status.GetStatus(pb.GetStatusRequest(), timeout=10).steps_waiting}"
             )
             time.sleep(0.01)

@@ -470,9 +470,9 @@ def test_event_hooks_see_ingest_rejects_steps_fetches_samples_and_reports(
 def test_a_failed_step_materialization_is_retried_not_lost(
     make_sidecar, client_for, monkeypatch
 ) -> None:
-    from rlfeed.service.frontend import server
+    from rlfeed.service.frontend import assembler
 
-    real = server.materialize_work
+    real = assembler.materialize_work
     failures = []
 
     def fail_once(work, resolve):
@@ -481,8 +481,8 @@ def test_a_failed_step_materialization_is_retried_not_lost(
             raise MemoryError("injected: materializing this step failed once")
         return real(work, resolve)
 
-    monkeypatch.setattr(server, "materialize_work", fail_once)
-    monkeypatch.setattr(server, "ASSEMBLY_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(assembler, "materialize_work", fail_once)
+    monkeypatch.setattr(assembler, "ASSEMBLY_RETRY_SECONDS", 0.05)
     sidecar = make_sidecar(rollouts=GROUPS)
     client = client_for(sidecar)
     rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(9))
@@ -616,6 +616,6 @@ def test_concurrent_producers_get_every_step_materialized_once_and_served(
     assert sorted(served) == sorted(rollouts.rollout_ids)
     assert sorted(seen.steps) == list(range(groups))  # each step materialized exactly once
     deadline = time.monotonic() + 30
-    while len(sidecar.servicer._payloads) or client.get_status().steps_waiting:
+    while len(sidecar.frontend.payloads) or client.get_status().steps_waiting:
         assert time.monotonic() < deadline, "ingest batches or unfetched steps left over"
         time.sleep(0.01)

@@ -19,8 +19,11 @@ from rlfeed.sched.assembly import (
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, select_tasks
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
+from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason, reject_reason
 from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.validation import InvalidBatchError, validate_rollout_batch
+from rlfeed.service.frontend.ingest import batch_meta, decode_batch
+from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.metrics.http import MetricsServer
 from rlfeed.service.metrics.layout_plot import layout_from_plan
 from rlfeed.service.metrics.recorder import (
@@ -29,9 +32,10 @@ from rlfeed.service.metrics.recorder import (
     CostAssumptions,
     MetricsConfig,
     RlfeedMetrics,
-    reject_reason,
 )
-from rlfeed.service.scheduler.state import BackpressureError, BatchMeta, Scheduler, StepRecord
+from rlfeed.service.scheduler.actor import SchedulerActor
+from rlfeed.service.scheduler.records import IngestKind, StepRecord
+from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import step_record, synthetic_groups
 
 
@@ -394,12 +398,30 @@ def rejected(config, rollouts, mutate=None) -> ValueError:
             arrays,
             token_budget=config.batching.token_budget,
             vocab_size=config.rollouts.vocab_size,
-            is_known_task=scheduler.is_known_task,
         )
-        scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+        scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
     except (ValueError, BackpressureError) as exc:
         return exc
     raise AssertionError("the batch was accepted")
+
+
+def _actor_reply(config, registered, rollouts):
+    """The scheduler actor's reply to the batch (its class run in this process, no Ray);
+    None when the front-end's own validation refuses the batch before the actor sees it."""
+    actor = SchedulerActor(config)
+    actor.register_tasks(registered)
+    arrays = decode_rollout_batch(rollouts.encode())
+    try:
+        validate_rollout_batch(
+            arrays,
+            token_budget=config.batching.token_budget,
+            vocab_size=config.rollouts.vocab_size,
+        )
+    except InvalidBatchError:
+        return None
+    [reply] = actor.ingest("front-end", [], [(batch_meta(arrays), None)])
+    assert reply.kind is IngestKind.INVALID
+    return reply
 
 
 def _tokens(row, token_ids):
@@ -443,19 +465,23 @@ def test_reject_reason_names_what_the_sidecars_own_checks_found(expected, mutate
     rollouts = synthetic_groups(
         num_groups=2, group_size=4, rng=np.random.default_rng(0), max_length=64
     )
+    registered = [*sorted(set(rollouts.task_ids)), "known"]
     error = rejected(config, rollouts, mutate)
     assert error.reason == expected  # named where the check failed
     assert reject_reason(error) == expected
-    # The actor answers with the message only; the front-end's rebuilt error agrees.
-    assert reject_reason(InvalidBatchError(str(error))) == expected
+    # Across the actor boundary the reason travels as a value, not rebuilt from the message.
+    reply = _actor_reply(config, registered, rollouts)
+    if reply is not None:
+        assert reply.reason == expected
+        assert reject_reason(InvalidBatchError(reply.message, reason=reply.reason)) == expected
 
 
 def test_reject_reason_of_undecodable_bytes_and_a_full_buffer():
-    with pytest.raises(ValueError) as info:
-        decode_rollout_batch(b"not arrow")
+    with pytest.raises(InvalidBatchError) as info:
+        decode_batch(b"not arrow")
     assert reject_reason(info.value) == "malformed"
     assert reject_reason(BackpressureError("buffer full: 10 rollouts buffered")) == "buffer_full"
-    assert reject_reason("something new") == "other"
+    assert reject_reason(RuntimeError("something new")) is RejectReason.OTHER
 
 
 def test_served_responses_become_the_layout_picture_once_every_rank_fetched():
@@ -470,8 +496,8 @@ def test_served_responses_become_the_layout_picture_once_every_rank_fetched():
     )
     scheduler.register_tasks(sorted(set(rollouts.task_ids)))
     arrays = decode_rollout_batch(rollouts.encode())
-    scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
-    assert scheduler.assemble_ready_steps() == [0]
+    scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
+    assert assemble_ready_steps(scheduler) == [0]
     metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
     metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
     payload = scheduler.fetch_batch(0, 0).payload

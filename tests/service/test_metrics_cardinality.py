@@ -7,8 +7,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, update_pass_rates
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.frontend.ingest import batch_meta
+from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics
-from rlfeed.service.scheduler.state import BatchMeta, Scheduler
+from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import synthetic_groups
 
 
@@ -36,14 +38,14 @@ def exported_series(num_tasks: int, steps: int = 3) -> tuple[int, set[str]]:
             num_groups=4, group_size=4, rng=rng, tasks=sample.task_ids, prefix=f"s{step}-"
         )
         arrays = decode_rollout_batch(rollouts.encode())
-        result = scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+        result = scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
         metrics.on_ingest(
             accepted=result.accepted,
             accepted_tokens=int(arrays.lengths.sum()),
             ack_seconds=0.001,
             buffered_rollouts=result.buffered_rollouts,
         )
-        for assembled in scheduler.assemble_ready_steps():
+        for assembled in assemble_ready_steps(scheduler):
             metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
             for rank in range(2):
                 payload = scheduler.fetch_batch(assembled, rank).payload

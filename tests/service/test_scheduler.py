@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import SidecarConfig, with_overrides
+from rlfeed.service.errors import BackpressureError, InvalidBatchError
 from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.validation import InvalidBatchError, validate_rollout_batch
-from rlfeed.service.scheduler.state import BackpressureError, BatchMeta, Scheduler
+from rlfeed.service.frontend.ingest import batch_meta
+from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.inprocess import assemble_ready_steps
+from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, check_served_step, synthetic_groups
 
 
@@ -32,7 +35,7 @@ def make_scheduler(*, track_releases: bool = False, **sections) -> Scheduler:
 def ingest(scheduler: Scheduler, rollouts: SyntheticRollouts, rows=None):
     arrays = decode_rollout_batch(rollouts.encode(rows))
     validate_rollout_batch(arrays, token_budget=scheduler.config.batching.token_budget)
-    return scheduler.ingest_batch(BatchMeta.from_arrays(arrays), arrays.columns)
+    return scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
 
 
 def fetch_step(scheduler: Scheduler, step: int) -> list[bytes]:
@@ -46,7 +49,7 @@ def test_step_serves_every_policy_token_of_its_groups_exactly_once() -> None:
     rollouts = synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(0))
     ack = ingest(scheduler, rollouts)
     assert (ack.accepted, ack.steps_ready) == (8, 1)
-    assert scheduler.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(scheduler) == [0]
     served = check_served_step(fetch_step(scheduler, 0), rollouts)
     assert sorted(served) == sorted(rollouts.rollout_ids)
 
@@ -68,7 +71,7 @@ def test_groups_split_across_batches_make_the_same_checked_steps(
     steps = []
     for start in range(0, len(order), batch_size):
         ingest(scheduler, rollouts, order[start : start + batch_size])
-        steps += scheduler.assemble_ready_steps()
+        steps += assemble_ready_steps(scheduler)
     assert steps == [0, 1, 2]
     served = [check_served_step(fetch_step(scheduler, s), rollouts) for s in steps]
     assert sorted(r for ids in served for r in ids) == sorted(rollouts.rollout_ids)
@@ -79,7 +82,7 @@ def test_groups_split_across_batches_make_the_same_checked_steps(
 def test_refetching_a_step_returns_identical_bytes() -> None:
     scheduler = make_scheduler()
     ingest(scheduler, synthetic_groups(num_groups=2, group_size=4, rng=np.random.default_rng(1)))
-    scheduler.assemble_ready_steps()
+    assemble_ready_steps(scheduler)
     assert fetch_step(scheduler, 0) == fetch_step(scheduler, 0)
 
 
@@ -90,7 +93,7 @@ def test_replaying_the_same_calls_reproduces_the_same_bytes() -> None:
         scheduler = make_scheduler()
         ingest(scheduler, rollouts, range(0, 9))
         ingest(scheduler, rollouts, range(9, 16))
-        scheduler.assemble_ready_steps()
+        assemble_ready_steps(scheduler)
         outputs.append(fetch_step(scheduler, 0) + fetch_step(scheduler, 1))
     assert outputs[0] == outputs[1]
 
@@ -101,7 +104,7 @@ def test_resubmitted_rollouts_are_duplicates_not_double_counted() -> None:
     ingest(scheduler, rollouts, range(6))
     again = ingest(scheduler, rollouts, range(8))
     assert (again.accepted, again.duplicate) == (2, 6)
-    assert scheduler.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(scheduler) == [0]
     assert scheduler.status().counters.rollouts_accepted == 8
     check_served_step(fetch_step(scheduler, 0), rollouts)
 
@@ -116,7 +119,7 @@ def test_a_rollout_too_far_behind_drops_its_whole_group_as_stale() -> None:
     assert ack.stale == 0 and scheduler.status().counters.rollouts_stale == 3
     late = ingest(scheduler, old, range(3, 8))  # the rest of old-g0 and all of old-g1
     assert (late.accepted, late.stale) == (0, 5)
-    assert scheduler.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(scheduler) == [0]
     served = check_served_step(fetch_step(scheduler, 0), new)
     assert sorted(served) == sorted(new.rollout_ids)
     assert scheduler.status().counters.rollouts_stale == 8
@@ -141,7 +144,7 @@ def test_one_bogus_policy_version_is_rejected_and_cannot_make_the_run_stale() ->
     assert scheduler.status() == before  # the batch is rejected as a whole
     ack = ingest(scheduler, honest, range(3, 8))
     assert (ack.accepted, ack.stale, ack.stale_buffered) == (5, 0, 0)
-    assert scheduler.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(scheduler) == [0]
 
 
 def test_the_first_rollout_sets_the_version_baseline_and_jumps_up_to_the_limit_pass() -> None:
@@ -184,11 +187,11 @@ def test_zero_advantage_groups_are_counted_and_dropped_when_configured() -> None
     rollouts.rewards[12:16] = [1.0, 0.0, 1.0, 1.0]
     kept = make_scheduler()
     ingest(kept, rollouts)
-    assert kept.assemble_ready_steps() == [0, 1]
+    assert assemble_ready_steps(kept) == [0, 1]
     assert kept.status().counters.zero_advantage_groups == 2
     dropping = make_scheduler(advantages={"drop_zero_advantage": True})
     ingest(dropping, rollouts)
-    assert dropping.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(dropping) == [0]
     served = check_served_step(fetch_step(dropping, 0), rollouts)
     assert {r.split("-")[0] for r in served} == {"g1", "g3"}
     status = dropping.status()
@@ -228,7 +231,7 @@ def test_full_buffer_refuses_the_batch_until_ranks_fetch() -> None:
     scheduler = make_scheduler(rollouts={"max_buffered_rollouts": 8})
     rollouts = synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(8))
     ingest(scheduler, rollouts, range(8))
-    scheduler.assemble_ready_steps()
+    assemble_ready_steps(scheduler)
     with pytest.raises(BackpressureError, match="max_buffered_rollouts"):
         ingest(scheduler, rollouts, range(8, 12))
     fetch_step(scheduler, 0)  # both ranks fetched step 0: its rollouts no longer count
@@ -240,12 +243,12 @@ def test_rollouts_joining_buffered_groups_are_taken_even_when_the_buffer_is_full
     rollouts = synthetic_groups(num_groups=5, group_size=4, rng=np.random.default_rng(12))
     ingest(scheduler, rollouts, [8, 9, 12, 13])  # half of g2 and g3
     ingest(scheduler, rollouts, range(8))  # g0 and g1: step 0, not fetched yet
-    assert scheduler.assemble_ready_steps() == [0]
+    assert assemble_ready_steps(scheduler) == [0]
     assert ingest(scheduler, rollouts, [10, 11]).accepted == 2  # completes g2 beyond the bound
     with pytest.raises(BackpressureError, match="opening new groups"):
         ingest(scheduler, rollouts, [14, 16])  # the rest of g3 with g4's first rollout
     assert ingest(scheduler, rollouts, [14, 15]).accepted == 2  # g3 alone
-    assert scheduler.assemble_ready_steps() == [1]
+    assert assemble_ready_steps(scheduler) == [1]
     fetch_step(scheduler, 0)
     fetch_step(scheduler, 1)
     assert ingest(scheduler, rollouts, range(16, 20)).accepted == 4
@@ -286,7 +289,7 @@ def test_a_refused_batch_is_taken_once_ranks_fetch_so_producers_never_deadlock(
             assert scheduler.status().steps_waiting  # a refusal that fetching can end
             ranks_fetch_every_waiting_step()
             ingest(scheduler, rollouts, rows)
-        scheduler.assemble_ready_steps()
+        assemble_ready_steps(scheduler)
     ranks_fetch_every_waiting_step()
     assert sorted(served) == sorted(rollouts.rollout_ids)
 
@@ -295,7 +298,7 @@ def test_steps_fetched_by_every_rank_are_released_after_retained_steps() -> None
     scheduler = make_scheduler(batching={"retained_steps": 1})
     rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(9))
     ingest(scheduler, rollouts)
-    assert scheduler.assemble_ready_steps() == [0, 1, 2]
+    assert assemble_ready_steps(scheduler) == [0, 1, 2]
     assert scheduler.status().steps_waiting == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
     scheduler.fetch_batch(0, 0)
     assert scheduler.status().steps_waiting[0] == [1]
@@ -313,7 +316,7 @@ def test_released_steps_are_reported_once_each_in_release_order() -> None:
     fetch_batch answers as released, each once."""
     scheduler = make_scheduler(batching={"retained_steps": 1}, track_releases=True)
     ingest(scheduler, synthetic_groups(num_groups=8, group_size=4, rng=np.random.default_rng(3)))
-    assert scheduler.assemble_ready_steps() == [0, 1, 2, 3]
+    assert assemble_ready_steps(scheduler) == [0, 1, 2, 3]
     reported = []
     for step in (0, 2, 1, 3):
         fetch_step(scheduler, step)
@@ -329,7 +332,7 @@ def test_released_steps_are_reported_once_each_in_release_order() -> None:
 def run_groups_through(scheduler: Scheduler, rollouts: SyntheticRollouts, rows) -> None:
     """Ingest `rows`, assemble what is ready and let every rank fetch it."""
     ingest(scheduler, rollouts, rows)
-    for step in scheduler.assemble_ready_steps():
+    for step in assemble_ready_steps(scheduler):
         fetch_step(scheduler, step)
 
 
@@ -411,7 +414,7 @@ def test_step_metadata_is_the_global_count_and_newest_policy_version() -> None:
     second = synthetic_groups(num_groups=1, group_size=4, rng=rng, prefix="b", policy_version=5)
     ingest(scheduler, first)
     ingest(scheduler, second)
-    scheduler.assemble_ready_steps()
+    assemble_ready_steps(scheduler)
     responses = [pb.GetBatchResponse.FromString(p) for p in fetch_step(scheduler, 0)]
     expected_tokens = sum(int(m.sum()) for m in first.action_mask + second.action_mask)
     for response in responses:
@@ -500,7 +503,7 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
         handle = f"batch-{start}"
         arrays = decode_rollout_batch(rollouts.encode(order[start : start + batch_size]))
         validate_rollout_batch(arrays, token_budget=256)
-        if scheduler.ingest_batch(BatchMeta.from_arrays(arrays), handle).accepted:
+        if scheduler.ingest_batch(batch_meta(arrays), handle).accepted:
             accepted.append(handle)
         store_due()
         unstored.extend([store_lag, work] for work in scheduler.plan_ready_steps())

@@ -1,4 +1,5 @@
-"""Each broken rule of the ingest contract is reported with the rollout id and the field."""
+"""Each broken rule of the ingest contract is reported with the rollout id and the field,
+whether the front-end's validation or the scheduler (unknown tasks) finds it."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
+from rlfeed.service.errors import InvalidBatchError
 from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.validation import InvalidBatchError, validate_rollout_batch
+from rlfeed.service.frontend.ingest import batch_meta
+from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
 
 BUDGET = 256
@@ -21,12 +26,15 @@ def _rollouts(seed: int = 0) -> SyntheticRollouts:
 
 
 def _validate(rollouts: SyntheticRollouts, known=("task-0", "task-1", "task-2")) -> None:
-    validate_rollout_batch(
-        decode_rollout_batch(rollouts.encode()),
-        token_budget=BUDGET,
-        vocab_size=VOCAB,
-        is_known_task=set(known).__contains__,
+    """The sidecar's checks in its order: the front-end's validation, then the scheduler's."""
+    arrays = decode_rollout_batch(rollouts.encode())
+    validate_rollout_batch(arrays, token_budget=BUDGET, vocab_size=VOCAB)
+    config = SidecarConfig(
+        batching=BatchingConfig(token_budget=BUDGET), rollouts=RolloutsConfig(vocab_size=VOCAB)
     )
+    scheduler = Scheduler(config)
+    scheduler.register_tasks(list(known))
+    scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
 
 
 def _set_token(field: str, value):

@@ -1,0 +1,193 @@
+"""The assembler thread: materializes the steps the actor planned, off the ingest path.
+
+A producer's ack waits for planning (in the actor) but never for materialization: the
+planned work comes back with the ack and this thread turns it into every rank's response
+bytes, keeps them in the front-end's memory, notes the step stored for the actor, and
+keeps that memory bounded by moving the oldest held steps into the object store.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from dataclasses import replace
+
+import ray
+from rlfeed.sched.assembly import TokenColumns
+from rlfeed.service.frontend.materialize import materialize_work
+from rlfeed.service.frontend.state import FrontendState
+from rlfeed.service.scheduler.records import (
+    BatchHandle,
+    Releases,
+    StepWork,
+    StoredObject,
+    StoreStepNote,
+)
+
+_log = logging.getLogger("rlfeed.service.frontend.assembler")
+ASSEMBLY_RETRY_SECONDS = 1.0  # after a failed step materialization (the step is kept)
+# Notes wait for the front-end's next actor call; with none for this long, they go alone.
+NOTE_FLUSH_SECONDS = 0.05
+# An idle front-end asks the actor this often what it may free, notes or not.
+RELEASES_POLL_SECONDS = 1.0
+
+
+def _step_of(item: tuple[int, float, StepWork]) -> int:
+    return item[0]
+
+
+class StepAssembler:
+    """Owns the planned-but-unstored steps, the steps moved out of memory, and the thread."""
+
+    def __init__(self, frontend: FrontendState) -> None:
+        self.frontend = frontend
+        # Steps the actor planned (and so removed from its buffer) that are not stored yet,
+        # in step order: kept until stored, so a failed materialization is retried.
+        self._unstored: list[tuple[int, float, StepWork]] = []  # (step, planned at, work)
+        self._unstored_lock = threading.Lock()
+        # Steps moved out of memory: their object references (this process owns them)
+        # until the actor releases the step; `hand_over` re-homes the held ones.
+        self._moved_out: dict[int, list[StoredObject]] = {}
+        self._last_sync = time.monotonic()
+        self._work_ready = threading.Event()
+        self._thread: threading.Thread | None = None  # started by the first ready step
+        self._thread_lock = threading.Lock()
+
+    # ---- the thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread that materializes planned steps and, when idle, sends notes and
+        collects releases (so a front-end that never plans a step still frees batches)."""
+        with self._thread_lock:
+            if self._thread is None and not self.frontend.signals.stopping:
+                self._thread = threading.Thread(
+                    target=self._loop, name="rlfeed-assembler", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Wake the thread to leave (the front-end's signals say stopping); True once it has."""
+        self._work_ready.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def add_work(self, work: list[StepWork]) -> None:
+        planned_at = time.time()
+        with self._unstored_lock:
+            for item in work:
+                bisect.insort(self._unstored, (item.step, planned_at, item), key=_step_of)
+        self.start()
+        self._work_ready.set()
+
+    def _loop(self) -> None:
+        """With nothing to assemble for NOTE_FLUSH_SECONDS, send the notes no call took
+        along (and, every RELEASES_POLL_SECONDS, ask even without notes). What to do is read
+        from the state, not from the wake-up: work inserted just after a timed-out wait is
+        still assembled."""
+        signals = self.frontend.signals
+        while True:
+            self._work_ready.wait(timeout=NOTE_FLUSH_SECONDS)
+            self._work_ready.clear()  # before reading the state: later work wakes us again
+            if signals.stopping:
+                return
+            try:
+                if self.has_unstored():
+                    self.assemble()
+                else:
+                    due = time.monotonic() - self._last_sync > RELEASES_POLL_SECONDS
+                    releases = self.frontend.scheduler.sync(force=due)
+                    if releases is not None:
+                        self.free(releases)
+            except Exception:  # a dead actor surfaces on the next handler call too
+                if not signals.stopping:
+                    _log.exception("rlfeed: step assembly failed; retrying in 1 s")
+                    time.sleep(ASSEMBLY_RETRY_SECONDS)
+                    self._work_ready.set()
+
+    # ---- the work --------------------------------------------------------------------
+
+    def has_unstored(self) -> bool:
+        with self._unstored_lock:
+            return bool(self._unstored)
+
+    def assemble(self) -> None:
+        """Materialize every planned step, lowest first, keep the responses in memory and
+        note the step stored for the actor.
+
+        The StoreStepNote is queued before the step enters the cache, so any FetchNote of
+        the step is queued (and reaches the actor) after it; `storing` covers both, for a
+        fetch answered with this front-end's marker in between."""
+        frontend = self.frontend
+        while True:
+            with self._unstored_lock:
+                if not self._unstored:
+                    break
+                step, planned_at, work = self._unstored[0]
+            responses = materialize_work(work, resolve=self._resolve_payload)
+            size = sum(map(len, responses))
+            # The record store_step returns, known without waiting; reported before any
+            # fetch can see the step.
+            record = replace(work.record, response_bytes=size)
+            frontend.events.on_step(record, responses=responses, ready_time=planned_at)
+            with frontend.storing:
+                frontend.scheduler.note(
+                    StoreStepNote(step, [frontend.marker] * len(responses), size)
+                )
+                frontend.responses.put(step, responses)
+                # Stored: never built again, whatever fails below (the actor will release
+                # the batches it read). Work for a lower step may have arrived meanwhile.
+                with self._unstored_lock:
+                    del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
+            frontend.signals.stored_here(step)
+            if frontend.announce:
+                try:  # best effort: a waiting rank elsewhere then takes the actor's path
+                    frontend.peers.announce_stored(step)
+                except Exception:
+                    _log.warning("rlfeed: announcing step %d to the other front-ends failed", step)
+        self._move_out_old_steps()
+
+    def _resolve_payload(self, handle: BatchHandle | StoredObject) -> TokenColumns:
+        """An ingest batch's columns: from this front-end's memory, from the front-end that
+        decoded it (the step being materialized holds it there until stored), or from the
+        object store (its front-end has left, see `hand_over`)."""
+        if isinstance(handle, StoredObject):
+            return ray.get(handle.ref)
+        if handle.frontend_id != self.frontend.id:
+            return self.frontend.peers.payload(handle.frontend_id, handle.key)
+        return self.frontend.payloads.get(handle.key)
+
+    def free(self, releases: Releases) -> None:
+        """Free what the actor released: batches nothing reads any more, and responses of
+        steps no longer servable (their memory goes to the next steps)."""
+        self._last_sync = time.monotonic()
+        self.frontend.payloads.release(releases.payload_keys)
+        self.frontend.responses.drop(releases.steps)
+        for step in releases.steps:
+            self._moved_out.pop(step, None)
+
+    def moved_out(self) -> dict[int, list[StoredObject]]:
+        """Steps moved out of memory and not released yet, with their references (a copy)."""
+        return dict(self._moved_out)
+
+    def _move_out_old_steps(self) -> None:
+        """Keep memory bounded: of the oldest steps beyond the cache size, put those the
+        actor still holds into the object store and hand it the references (before dropping
+        them here, so a fetch answered with the marker finds the bytes on its next ask);
+        released ones are simply dropped."""
+        responses_cache, scheduler = self.frontend.responses, self.frontend.scheduler
+        oldest = responses_cache.oldest_beyond()
+        if not oldest:
+            return
+        held = set(scheduler.held_steps(oldest))
+        for step in oldest:
+            responses = responses_cache.get(step)
+            if step in held and responses is not None:
+                refs = [StoredObject(ray.put(response)) for response in responses]
+                self._moved_out[step] = refs
+                if not scheduler.move_step(step, refs):
+                    self._moved_out.pop(step, None)  # released meanwhile (maybe freed first)
+        responses_cache.drop(oldest)

@@ -1,0 +1,155 @@
+"""Ingest: the RolloutIngest and TaskSampling handlers, and the decode → validate → ack
+path they share with the in-process transport.
+
+A batch is decoded and validated on the handler thread (vectorized numpy), its columns
+stay in this front-end's memory under a key, and the actor gets one small call with the
+metadata and the handle; the ack answers from its result.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason
+from rlfeed.service.frontend.assembler import StepAssembler
+from rlfeed.service.frontend.codec import (
+    RolloutBatchArrays,
+    RolloutBatchView,
+    decode_rollout_batch,
+)
+from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
+from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.scheduler.client import IngestGroups
+from rlfeed.service.scheduler.records import (
+    BatchHandle,
+    BatchMeta,
+    IngestKind,
+    IngestReply,
+    IngestResult,
+    Refused,
+)
+
+
+def decode_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
+    """The batch's arrays; InvalidBatchError (MALFORMED) if they cannot be read."""
+    try:
+        return decode_rollout_batch(payload)
+    except ValueError as exc:  # the codec's errors: the payload itself is malformed
+        raise InvalidBatchError(str(exc), reason=RejectReason.MALFORMED) from None
+
+
+def validate_batch(arrays: RolloutBatchArrays, config: SidecarConfig) -> None:
+    """InvalidBatchError (with its reason) for what the contract refuses before the
+    scheduler sees the batch."""
+    validate_rollout_batch(
+        arrays, token_budget=config.batching.token_budget, vocab_size=config.rollouts.vocab_size
+    )
+
+
+def batch_meta(arrays: RolloutBatchArrays) -> BatchMeta:
+    """The per-rollout metadata the scheduler needs (the small part of a batch)."""
+    return BatchMeta(
+        rollout_ids=arrays.rollout_ids,
+        task_ids=arrays.task_ids,
+        group_ids=arrays.group_ids,
+        policy_versions=np.asarray(arrays.policy_versions, dtype=np.int64),
+        rewards=np.asarray(arrays.rewards, dtype=np.float64),
+        lengths=arrays.lengths.astype(np.int64),
+        policy_tokens=arrays.policy_tokens,
+    )
+
+
+def ack_of(sequence: int, result: IngestResult) -> pb.SubmitAck:
+    return pb.SubmitAck(
+        sequence=sequence,
+        accepted=result.accepted,
+        duplicate=result.duplicate,
+        stale=result.stale,
+        newest_policy_version=result.newest_policy_version,
+        buffered_rollouts=result.buffered_rollouts,
+    )
+
+
+class RolloutIngest:
+    """RolloutIngest and TaskSampling handlers of one front-end."""
+
+    def __init__(self, frontend: FrontendState, assembler: StepAssembler) -> None:
+        self.frontend = frontend
+        self.assembler = assembler
+        self._groups = IngestGroups(frontend.scheduler.ingest)
+
+    def SubmitRollouts(self, request_iterator, context):
+        for request in request_iterator:
+            yield self.SubmitRolloutBatch(request, context)
+
+    @unavailable_when_ray_fails
+    @admitted
+    def SubmitRolloutBatch(self, request: RolloutBatchView, context) -> pb.SubmitAck:
+        received = time.monotonic()
+        arrays = None
+        try:
+            arrays = decode_batch(request.arrow_ipc)
+            validate_batch(arrays, self.frontend.config)
+        except InvalidBatchError as exc:
+            self.frontend.scheduler.record_rejection()
+            self._refuse(exc, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
+        reply = self._ingest(arrays)
+        if reply.kind is IngestKind.INVALID:
+            error = InvalidBatchError(reply.message, reason=reply.reason)
+            self._refuse(error, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
+        if reply.kind is IngestKind.BACKPRESSURE:
+            error = BackpressureError(reply.message)
+            self._refuse(error, arrays, grpc.StatusCode.RESOURCE_EXHAUSTED, context)
+        self.frontend.events.on_ingest(
+            reply.result, tokens=int(arrays.token_ids.size), seconds=time.monotonic() - received
+        )
+        return ack_of(request.sequence, reply.result)
+
+    def _refuse(
+        self,
+        error: InvalidBatchError | BackpressureError,
+        arrays: RolloutBatchArrays | None,
+        code: grpc.StatusCode,
+        context: grpc.ServicerContext,
+    ) -> None:
+        rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
+        self.frontend.events.on_reject(error, rollouts=rollouts, tokens=tokens)
+        context.abort(code, str(error))
+
+    def _ingest(self, arrays: RolloutBatchArrays) -> IngestReply:
+        """Buffer a validated batch in the actor, in a call shared with the batches arriving
+        alongside; hand the steps it made ready to the assembler and free what the actor
+        released."""
+        payloads = self.frontend.payloads
+        key = payloads.add(arrays.columns) if len(arrays) else None
+        handle = BatchHandle(self.frontend.id, key) if key is not None else None
+        # A failed call keeps the columns: the batch may have been buffered before the
+        # failure (a dead actor takes the whole sidecar down anyway).
+        reply = self._groups.ingest(batch_meta(arrays), handle)
+        if key is not None and not (reply.kind is IngestKind.OK and reply.result.accepted > 0):
+            payloads.discard(key)  # the scheduler did not keep the batch
+        if reply.work:
+            self.assembler.add_work(reply.work)
+        self.assembler.free(reply.releases)
+        return reply
+
+    @unavailable_when_ray_fails
+    def RegisterTasks(self, request: pb.RegisterTasksRequest, context):
+        result = self.frontend.scheduler.register_tasks(list(request.task_ids))
+        if isinstance(result, Refused):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
+        added, total = result
+        return pb.RegisterTasksResponse(added=added, total_tasks=total)
+
+    @unavailable_when_ray_fails
+    def SampleTasks(self, request: pb.SampleTasksRequest, context):
+        result = self.frontend.scheduler.sample_tasks(int(request.n))
+        requested = int(request.n) or self.frontend.config.rollouts.prompts_per_step
+        self.frontend.events.on_task_sample(requested=requested, result=result)
+        return pb.SampleTasksResponse(
+            task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
+        )

@@ -1,0 +1,177 @@
+"""Serving: the BatchServing and SidecarStatus handlers of one front-end.
+
+GetBatch waits up to min(timeout_ms, max_wait_seconds, the call's deadline) for the step
+and, if it is still not stored, answers OK with `ready = false` (poll again). Stored bytes
+are answered as they are (a pass-through serializer), so a re-fetch is byte-identical.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import ray
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.frontend.codec import status_to_proto
+from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
+from rlfeed.service.scheduler.records import Fetch, FetchKind, FetchNote, HeldBy, StoredObject
+
+# A waiting GetBatch re-asks the actor this often even without a local "step stored"
+# signal (a step this front-end did not store; with replicas, another front-end's).
+POLL_SECONDS = 0.25
+
+
+def trainer_report_of(request: pb.TrainerReport) -> dict[str, float]:
+    return {
+        "step": int(request.step),
+        "loss": request.loss,
+        "ratio_outlier_share": request.ratio_outlier_share,
+        "tokens_per_second": request.tokens_per_second,
+        "step_seconds": request.step_seconds,
+    }
+
+
+class BatchServing:
+    """BatchServing (GetBatch, ReportTrainerMetrics) and SidecarStatus handlers."""
+
+    def __init__(self, frontend: FrontendState) -> None:
+        self.frontend = frontend
+
+    @unavailable_when_ray_fails
+    @admitted
+    def GetBatch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
+        step, rank = int(request.step), int(request.rank)
+        frontend, signals = self.frontend, self.frontend.signals
+        wait = min(request.timeout_ms / 1000.0, frontend.config.server.max_wait_seconds)
+        remaining_call = context.time_remaining()
+        if remaining_call is not None:
+            wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
+        deadline = time.monotonic() + wait
+        local = 0 <= rank < frontend.config.batching.world_size
+        timed_out = False
+        while True:
+            # Read before asking, so a step stored in between still wakes the wait below.
+            version = signals.version
+            response = self._local_answer(request, context) if local else None
+            if response is not None:
+                return response
+            # A step past the newest one stored here is most likely still being produced:
+            # wait for this front-end's signal first and ask the actor only once a wait
+            # times out (another front-end may have stored it; answers stay correct, the
+            # actor is just not asked a round trip per prefetching rank and step).
+            ahead = local and step > signals.newest_stored_here and not timed_out
+            if not ahead:
+                response = self._actor_answer(step, rank, context)
+                if response is not None:
+                    return response
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or signals.stopping:
+                return pb.GetBatchResponse(ready=False, step=step, rank=rank)
+            timed_out = not signals.wait(version, timeout=min(remaining, POLL_SECONDS))
+
+    def _local_answer(self, request: pb.GetBatchRequest, context) -> bytes | None:
+        """A first fetch of a step stored here, or a fetch forwarded to the front-end that
+        announced the step; None if neither answers."""
+        step, rank = int(request.step), int(request.rank)
+        response = self.frontend.responses.first_fetch(step, rank)
+        if response is not None:
+            # A first fetch cannot meet a released step (release needs every rank's fetch),
+            # so it is answered from here; the actor records it in order after the step's
+            # store. Re-fetches ask the actor (it may have released the step).
+            self.frontend.scheduler.note(FetchNote(step, rank))
+            self.frontend.events.on_served(step, rank, response)
+            return response
+        holder = self.frontend.signals.holder(step)
+        if holder is not None:  # another front-end stored it: it answers (and counts it)
+            return self._forwarded(holder, request, context)
+        return None
+
+    def _actor_answer(self, step: int, rank: int, context) -> bytes | None:
+        """The actor's answer: the bytes behind its handle, an abort (invalid, released,
+        holder unreachable), or None (not stored yet: wait)."""
+        fetch = self.frontend.scheduler.fetch_batch(step, rank)
+        if fetch.kind is FetchKind.READY:
+            response = self._stored_response(step, rank, fetch, context)
+            if response is None:  # moved out meanwhile: the next answer has the reference
+                fetch = self.frontend.scheduler.fetch_batch(step, rank)
+                if fetch.kind is FetchKind.READY:
+                    response = self._stored_response(step, rank, fetch, context)
+                    if response is None:
+                        context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"step {step} left the memory of the front-end holding it twice "
+                            "while being fetched; ask again",
+                        )
+            if response is not None:
+                return response
+        if fetch.kind is FetchKind.INVALID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, fetch.value)
+        if fetch.kind is FetchKind.RELEASED:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"step {step} was released (every rank fetched it and retained_steps "
+                f"newer steps followed); the next step to be assembled is {fetch.value}",
+            )
+        return None
+
+    def _forwarded(self, holder: str, request: pb.GetBatchRequest, context) -> bytes | None:
+        """GetBatch answered by the front-end that stored the step (which then records the
+        fetch, in its order after the step's store); None if it cannot be reached (the
+        announcement is forgotten and the actor's path answers instead). Its answers,
+        NOT_FOUND and INVALID_ARGUMENT included, are this call's answers."""
+        try:
+            return self.frontend.peers.forward_get_batch(holder, request, context.time_remaining())
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                context.abort(exc.code(), exc.details())
+        except RuntimeError:  # not registered (any more)
+            pass
+        self.frontend.signals.forget_holder(int(request.step))
+        return None
+
+    def _stored_response(self, step: int, rank: int, fetch: Fetch, context) -> bytes | None:
+        """The bytes behind the actor's handle of (step, rank): from this front-end's
+        memory, the memory of the front-end holding them, or the object store; None if the
+        holder has moved them out meanwhile (ask the actor again). A holder that cannot be
+        reached answers the call UNAVAILABLE.
+
+        The fetch is reported (`on_served`) where the bytes are held: here, or by the
+        holding front-end, so every rank of a step counts at the front-end that stored it."""
+        frontend, handle = self.frontend, fetch.value
+        cached = frontend.responses.get(step)
+        if cached is None and handle == frontend.marker:
+            with frontend.storing:  # the actor may have seen the note before the cache the bytes
+                cached = frontend.responses.get(step)
+        if cached is not None:
+            frontend.events.on_served(step, rank, cached[rank])
+            return cached[rank]
+        if isinstance(handle, StoredObject):
+            response = ray.get(handle.ref)
+            frontend.events.on_served(step, rank, response)
+            return response
+        if isinstance(handle, HeldBy) and handle != frontend.marker:
+            try:
+                return frontend.peers.stored_response(
+                    handle.frontend_id, step, rank, context.time_remaining()
+                )
+            except (grpc.RpcError, RuntimeError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"step {step} is held by front-end {handle.frontend_id}, which cannot be "
+                    f"reached: {detail}",
+                )
+        return None
+
+    @unavailable_when_ray_fails
+    def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
+        report = trainer_report_of(request)
+        refused = self.frontend.scheduler.record_report(int(request.rank), report)
+        if refused is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused.message)
+        self.frontend.events.on_trainer_report(int(request.rank), report)
+        return pb.TrainerReportAck()
+
+    @unavailable_when_ray_fails
+    def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
+        return status_to_proto(self.frontend.scheduler.status(), self.frontend.config)
