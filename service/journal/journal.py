@@ -266,6 +266,8 @@ class Journal:
             if self.config.group_commit_window_seconds > 0:
                 time.sleep(self.config.group_commit_window_seconds)
             with self._write_lock:
+                if self._durable_seq >= seq:  # close() synced it meanwhile
+                    return
                 self._check_open()
                 target = self._next_seq - 1
                 fd = os.dup(self._fd)  # a roll may close self._fd while this one syncs
