@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from rlfeed.service.journal.errors import JournalCorruptError, JournalRangeError
 from rlfeed.service.journal.files import create_file_atomically, fsync_directory
@@ -97,7 +98,7 @@ def recover(directory: Path, max_record_bytes: int) -> Recovered:
             base_seq = decode_file_header(segment.path, f.read(FILE_HEADER_BYTES))
             if base_seq != segment.base_seq:
                 raise JournalCorruptError(
-                    segment.path, 0, f"header says first record {base_seq}, name says otherwise"
+                    segment.path, 0, f"header says first record {base_seq}, name {segment.base_seq}"
                 )
             if base_seq != next_seq:
                 raise JournalCorruptError(
@@ -116,7 +117,7 @@ def recover(directory: Path, max_record_bytes: int) -> Recovered:
 
 
 def _classify_damage(
-    f, path: Path, damage: Damage, size: int, is_newest: bool, max_record_bytes: int
+    f: BinaryIO, path: Path, damage: Damage, size: int, is_newest: bool, max_record_bytes: int
 ) -> None:
     """Return if `damage` is a torn tail; raise `JournalCorruptError` if it is not."""
     reason = damage.reason
@@ -137,8 +138,8 @@ def _classify_damage(
 
 def _cut_torn_tail(path: Path, damage: Damage, size: int) -> None:
     _log.warning(
-        "journal: torn tail in %s at byte offset %d (%s): cutting %d bytes; the records "
-        "there were never made durable",
+        "journal: torn tail in %s at byte offset %d (%s): cutting %d bytes that a crash "
+        "left half-written",
         path,
         damage.offset,
         damage.reason,
