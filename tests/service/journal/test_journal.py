@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -155,3 +157,14 @@ def test_config_rejects_unsafe_or_meaningless_values():
     with pytest.raises(ValueError, match="max_record_bytes"):
         JournalConfig(max_record_bytes=1 << 32)
     assert JournalConfig().sync == "group"  # durable before the ack by default
+
+
+def test_the_journal_package_imports_no_ray_grpc_or_torch():
+    code = (
+        "import sys, rlfeed.service.journal; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('ray', 'grpc', 'torch', 'pyarrow', 'numpy')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
