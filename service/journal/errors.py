@@ -1,0 +1,37 @@
+"""The journal's errors: each names what a person needs to act on it."""
+
+from __future__ import annotations
+
+import os
+
+
+class JournalError(Exception):
+    """Base class of every error the journal raises on purpose."""
+
+
+class JournalCorruptError(JournalError):
+    """A file holds bytes the journal did not write, somewhere other than a torn tail.
+
+    Raised instead of ever returning a record that fails its checks: `file` is the damaged
+    file, `offset` the byte offset of the first record (or header) that does not verify,
+    `reason` what failed. Nothing is repaired; a person decides (restore, or truncate the
+    file at `offset` and lose what follows).
+    """
+
+    def __init__(self, file: str | os.PathLike[str], offset: int, reason: str) -> None:
+        self.file = os.fspath(file)
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"journal file {self.file} is corrupt at byte offset {offset}: {reason}")
+
+
+class JournalRangeError(JournalError):
+    """Records asked for were deleted by retention (never silently skipped)."""
+
+
+class JournalLockedError(JournalError):
+    """Another writer (process or open `Journal`) holds the journal directory."""
+
+
+class JournalClosedError(JournalError):
+    """The journal was closed, or an earlier write or fsync failed and it stopped accepting."""

@@ -1,0 +1,75 @@
+"""The few POSIX file operations durability rests on, each done the one right way."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlfeed.service.journal.errors import JournalLockedError
+
+# fdatasync flushes the data and the size (what a reader needs), not the timestamps.
+sync_fd = getattr(os, "fdatasync", os.fsync)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (files created, renamed, deleted) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, chunks: Sequence[bytes]) -> None:
+    """Write every byte of `chunks` at the fd's position, resuming after short writes."""
+    views = [memoryview(c) for c in chunks if len(c)]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def create_file_atomically(path: Path, chunks: Sequence[bytes]) -> None:
+    """Create (or replace) `path` holding `chunks`, all or nothing, even across a crash.
+
+    Write a temporary file beside it, fsync it, rename it into place, fsync the directory:
+    after a crash the name either does not exist or has the whole content. A leftover
+    `*.tmp` file is the caller's to delete on start-up.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, chunks)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_directory(path.parent)
+
+
+class DirectoryLock:
+    """An exclusive `flock` on `DIR/LOCK`: one writer per journal directory.
+
+    Held until `release`; the kernel drops it when the process dies, so a crashed writer
+    never blocks its replacement.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise JournalLockedError(
+                f"journal directory {directory} is in use by another writer (LOCK is held)"
+            ) from None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = -1

@@ -1,0 +1,285 @@
+"""The append API the sidecar uses: one writer per directory, durable per `JournalConfig.sync`.
+
+    journal = Journal.open(directory, JournalConfig())
+    position = journal.append(KIND_INGEST, arrow_ipc_bytes)  # durable when it returns
+    ...                                                      # ... so ack the producer now
+    for record in journal.records_after(snapshot.position):  # recovery: replay the rest
+        ...
+
+A position is a record's sequence number: 1 for the first record ever appended, one more
+for each after it, never reused (deleting segments does not renumber). Position 0 means
+"before every record". Thread-safe: appends from many threads are written one at a time,
+and with `sync = "group"` the threads whose records are waiting share one fsync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlfeed.service.journal.config import JournalConfig
+from rlfeed.service.journal.errors import JournalClosedError, JournalRangeError
+from rlfeed.service.journal.files import DirectoryLock, sync_fd, write_all
+from rlfeed.service.journal.records import (
+    FILE_HEADER_BYTES,
+    RECORD_HEADER_BYTES,
+    Record,
+    crc32c,
+    encode_record_header,
+    warn_if_slow_crc,
+)
+from rlfeed.service.journal.segments import (
+    Segment,
+    create_segment,
+    delete_segments,
+    read_segments,
+    recover,
+)
+
+
+class Journal:
+    """An append-only, CRC-checked, segmented record log in one directory.
+
+    Open it with `Journal.open`; it recovers (verifies everything, cuts a torn tail,
+    refuses corruption) before it accepts an append.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        config: JournalConfig,
+        lock: DirectoryLock,
+        segments: list[Segment],
+        next_seq: int,
+        tail_bytes: int,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self._lock_file = lock
+        self._segments = segments
+        self._next_seq = next_seq
+        self._segment_bytes = tail_bytes
+        self._fd = os.open(segments[-1].path, os.O_WRONLY)
+        os.lseek(self._fd, tail_bytes, os.SEEK_SET)
+        self._write_lock = threading.Lock()  # the file, its size, the segment list, next_seq
+        self._sync_cond = threading.Condition()  # _durable_seq, _syncing, _failure
+        self._durable_seq = next_seq - 1
+        self._syncing = False
+        self._failure: BaseException | None = None
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], config: JournalConfig) -> Journal:
+        """Open (creating it if needed) and recover the journal in `directory`.
+
+        Raises `JournalLockedError` if another writer holds it and `JournalCorruptError`
+        if any file fails a check other than a torn tail (which is cut, with a warning).
+        """
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        warn_if_slow_crc()
+        lock = DirectoryLock(path)
+        try:
+            found = recover(path, config.max_record_bytes)
+            segments, tail_bytes = found.segments, found.tail_bytes
+            if not segments:
+                segments, tail_bytes = [create_segment(path, found.next_seq)], FILE_HEADER_BYTES
+            return cls(path, config, lock, segments, found.next_seq, tail_bytes)
+        except BaseException:
+            lock.release()
+            raise
+
+    @property
+    def last_position(self) -> int:
+        """Position of the newest record written (0 if none ever was)."""
+        return self._next_seq - 1
+
+    @property
+    def first_position(self) -> int:
+        """Position of the oldest record retention has kept (it may not be written yet)."""
+        return self._segments[0].base_seq
+
+    @property
+    def durable_position(self) -> int:
+        """Every record up to this position is on stable storage."""
+        return self._durable_seq
+
+    def append(self, kind: int, payload: bytes) -> int:
+        """Append one record of `kind` (1..255); return its position once durable per policy.
+
+        With sync "always" or "group" the record is on stable storage when this returns,
+        so the caller may acknowledge it. Raises `ValueError` for a payload over
+        `max_record_bytes` (nothing is written) and `JournalClosedError` once closed or
+        after a failed write or fsync (the journal stops rather than guess what is on disk).
+        """
+        if type(payload) is not bytes:
+            payload = bytes(payload)
+        if len(payload) > self.config.max_record_bytes:
+            raise ValueError(
+                f"record of {len(payload)} bytes exceeds max_record_bytes "
+                f"({self.config.max_record_bytes})"
+            )
+        payload_crc = crc32c(payload)  # the expensive part, outside the lock
+        with self._write_lock:
+            self._check_open()
+            record_bytes = RECORD_HEADER_BYTES + len(payload)
+            has_records = self._segment_bytes > FILE_HEADER_BYTES
+            seq = self._next_seq
+            header = encode_record_header(seq, kind, len(payload), payload_crc)
+            try:
+                if has_records and self._segment_bytes + record_bytes > self.config.segment_bytes:
+                    self._roll()
+                write_all(self._fd, [header, payload])
+                if self.config.sync == "always":
+                    sync_fd(self._fd)
+            except OSError as error:
+                self._fail(error, truncate=True)
+                raise JournalClosedError(f"journal write failed: {error}") from error
+            self._segment_bytes += record_bytes
+            self._next_seq = seq + 1
+            if self.config.sync == "always":
+                self._mark_durable(seq)
+        if self.config.sync == "group":
+            self._wait_durable(seq)
+        return seq
+
+    def sync(self) -> int:
+        """Make every record written so far durable, whatever the policy; return its position."""
+        with self._write_lock:
+            self._check_open()
+            target = self._next_seq - 1
+        self._wait_durable(target)
+        return target
+
+    def records_after(self, position: int) -> Iterator[Record]:
+        """The records after `position`, oldest first, up to the newest written at this call.
+
+        Raises `JournalRangeError` if retention deleted some of them or `position` is past
+        the end (a snapshot that covers records the journal lost), `JournalCorruptError` if
+        a record fails its checks: what it yields is always gap-free and verified.
+        """
+        with self._write_lock:
+            self._check_open()
+            segments = list(self._segments)
+            last = self._next_seq - 1
+        if position < segments[0].base_seq - 1:
+            raise JournalRangeError(
+                f"records {position + 1}..{segments[0].base_seq - 1} were deleted by retention"
+            )
+        if position > last:
+            raise JournalRangeError(f"position {position} is past the journal's end ({last})")
+        return read_segments(segments, position, last, self.config.max_record_bytes)
+
+    def delete_before(self, position: int) -> list[Path]:
+        """Delete every whole segment whose records all have positions below `position`.
+
+        The segment being written is never deleted. Returns the paths deleted. Call it with
+        the oldest kept snapshot's position + 1, never more.
+        """
+        with self._write_lock:
+            self._check_open()
+            victims: list[Segment] = []
+            for segment, following in zip(self._segments, self._segments[1:], strict=False):
+                if following.base_seq - 1 >= position:
+                    break
+                victims.append(segment)
+            self._segments = self._segments[len(victims) :]
+            delete_segments(self.directory, victims)
+        return [segment.path for segment in victims]
+
+    def close(self) -> None:
+        """Sync what was written, close the file and release the directory. Idempotent."""
+        with self._write_lock:
+            if self._fd < 0:
+                return
+            try:
+                if self._failure is None:
+                    sync_fd(self._fd)
+                    self._mark_durable(self._next_seq - 1)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+                self._lock_file.release()
+                with self._sync_cond:
+                    self._failure = self._failure or JournalClosedError("journal is closed")
+                    self._sync_cond.notify_all()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- internals (called with _write_lock held unless said otherwise) ---
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise JournalClosedError(str(self._failure)) from self._failure
+
+    def _roll(self) -> None:
+        """Close the full segment (synced: only the newest may hold a torn write), start one."""
+        sync_fd(self._fd)
+        self._mark_durable(self._next_seq - 1)
+        segment = create_segment(self.directory, self._next_seq)
+        fd = os.open(segment.path, os.O_WRONLY)
+        os.lseek(fd, FILE_HEADER_BYTES, os.SEEK_SET)
+        os.close(self._fd)
+        self._fd, self._segment_bytes = fd, FILE_HEADER_BYTES
+        self._segments.append(segment)
+
+    def _fail(self, error: OSError, truncate: bool) -> None:
+        """Stop accepting: after a failed write or fsync the file's state is unknown."""
+        if truncate:
+            # Best effort: leave no half record for the next start to classify.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._segment_bytes)
+        with self._sync_cond:
+            self._failure = error
+            self._sync_cond.notify_all()
+
+    def _mark_durable(self, seq: int) -> None:
+        with self._sync_cond:
+            self._durable_seq = max(self._durable_seq, seq)
+            self._sync_cond.notify_all()
+
+    def _wait_durable(self, seq: int) -> None:
+        """Return once record `seq` is durable (called without _write_lock).
+
+        Group commit: the first waiter becomes the leader, lets the configured window pass
+        so more appends can join, then fsyncs everything written so far; the others wait
+        for it. One fsync thus covers every record written before it started.
+        """
+        with self._sync_cond:
+            while True:
+                if self._durable_seq >= seq:
+                    return
+                if self._failure is not None:
+                    raise JournalClosedError(str(self._failure)) from self._failure
+                if not self._syncing:
+                    self._syncing = True
+                    break
+                self._sync_cond.wait()
+        try:
+            if self.config.group_commit_window_seconds > 0:
+                time.sleep(self.config.group_commit_window_seconds)
+            with self._write_lock:
+                if self._durable_seq >= seq:  # close() synced it meanwhile
+                    return
+                self._check_open()
+                target = self._next_seq - 1
+                fd = os.dup(self._fd)  # a roll may close self._fd while this one syncs
+            try:
+                sync_fd(fd)
+            except OSError as error:
+                self._fail(error, truncate=False)
+                raise JournalClosedError(f"journal fsync failed: {error}") from error
+            finally:
+                os.close(fd)
+            self._mark_durable(target)
+        finally:
+            with self._sync_cond:
+                self._syncing = False
+                self._sync_cond.notify_all()

@@ -1,0 +1,106 @@
+"""Journal append throughput per sync policy, as a ratio to `sync = "none"` in the same run.
+
+Run:  PYTHONPATH=... .venv/bin/python tests/bench/bench_journal.py [--mib 256] [--threads 4]
+      [--repeats 3] [--dir /path/on/the/disk/to/measure]
+Cost: writes 2 sizes x 3 policies x repeats x --mib MiB (4.5 GiB with the defaults); about
+10-60 s depending on the disk's fsync latency.
+
+What it measures: `--threads` threads (the front-end's ingest handlers) each append
+records of 1 MiB and then of 64 KiB to a fresh `Journal` until `--mib` MiB are written,
+for each policy: "none" (no fsync: the page cache absorbs the writes; an append costs a
+CRC32C and a write), "group" (the default: durable before return, concurrent appends
+share one fsync, window 0) and "always" (one fsync per record, under the write lock).
+Reported per (size, policy): MB/s and records/s of acknowledged appends (first append to
+last return; "none" is not synced at the end, as its acks do not wait for the disk),
+median over `--repeats` runs, p50/p99 append latency, and the ratio of its throughput to
+"none" measured in the same run. The ratio is the price of "an ack means on disk"; it
+depends on the disk (fsync latency) far more than on the code, so measure on the disk the
+sidecar's `--journal-dir` will use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rlfeed.service.journal import Journal, JournalConfig
+
+POLICIES = ("none", "group", "always")
+SIZES = {"1 MiB": 1 << 20, "64 KiB": 64 << 10}
+
+
+def run_once(
+    directory: Path, policy: str, record_bytes: int, total_bytes: int, threads: int
+) -> tuple[float, list[float]]:
+    """Seconds to append `total_bytes` in records of `record_bytes`, and each append's latency."""
+    shutil.rmtree(directory, ignore_errors=True)
+    journal = Journal.open(directory, JournalConfig(sync=policy))
+    payload = bytes(range(256)) * (record_bytes // 256)
+    per_thread = max(1, total_bytes // record_bytes // threads)
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    start_line = threading.Barrier(threads + 1)
+
+    def writer(index: int) -> None:
+        start_line.wait()
+        for _ in range(per_thread):
+            began = time.perf_counter()
+            journal.append(1, payload)
+            latencies[index].append(time.perf_counter() - began)
+
+    workers = [threading.Thread(target=writer, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    start_line.wait()
+    began = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - began
+    journal.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return elapsed, [x for per in latencies for x in per]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="MiB appended per run")
+    parser.add_argument("--threads", type=int, default=4, help="concurrent appending threads")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per (size, policy)")
+    parser.add_argument("--dir", default=None, help="parent directory (default: system temp)")
+    args = parser.parse_args()
+    parent = Path(tempfile.mkdtemp(prefix="bench_journal_", dir=args.dir))
+    print(
+        f"journal in {parent}, {args.threads} threads, {args.mib} MiB a run, median of "
+        f"{args.repeats}"
+    )
+    header = f"{'record':>7} {'sync':>6} {'MB/s':>8} {'records/s':>10} {'p50 ms':>7} "
+    print(header + f"{'p99 ms':>7} {'vs none':>8}")
+    try:
+        for size_name, record_bytes in SIZES.items():
+            baseline = None
+            for policy in POLICIES:
+                runs = [
+                    run_once(parent / "j", policy, record_bytes, args.mib << 20, args.threads)
+                    for _ in range(args.repeats)
+                ]
+                elapsed = statistics.median(r[0] for r in runs)
+                latencies = sorted(x for r in runs for x in r[1])
+                records = len(runs[0][1])
+                records_per_s = records / elapsed
+                baseline = baseline or records_per_s
+                print(
+                    f"{size_name:>7} {policy:>6} {records_per_s * record_bytes / 1e6:8.0f} "
+                    f"{records_per_s:10.0f} {latencies[len(latencies) // 2] * 1e3:7.2f} "
+                    f"{latencies[int(len(latencies) * 0.99)] * 1e3:7.2f} "
+                    f"{records_per_s / baseline:8.2f}"
+                )
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
