@@ -10,7 +10,8 @@ Run as a script it is one gloo rank of a 2-process group (file rendezvous, no po
     python tests/client/packed_training.py RANK WORLD_SIZE STORE_FILE OUT_DIR
 
 and saves `OUT_DIR/rank{RANK}.pt`: the gradients of one step through
-`DistributedDataParallel(PackedLogProbs(model))`, through FSDP2 (`fully_shard` on each
+`DistributedDataParallel(PackedLogProbs(model))` (syncing at every backward, and under
+`no_sync()` but for the last microbatch), through FSDP2 (`fully_shard` on each
 decoder layer, then on the `PackedLogProbs` root), and through the old README pattern
 (`ddp.module.model(...)`, `ddp.module.lm_head.weight`), plus the errors of the two misuses
 `PackedLogProbs` refuses. Cost: ~1 s of compute per rank after the imports.
@@ -18,6 +19,7 @@ decoder layer, then on the `PackedLogProbs` root), and through the old README pa
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -106,14 +108,17 @@ def clipped_loss(logprobs, sampler_logprobs, advantages, mask, norm_const):
     return aggregate_loss(per_token, mask, mode="constant", norm_const=norm_const)
 
 
-def train_microbatches(policy, microbatches, norm_const) -> None:
-    """Backward of every microbatch through `policy` (a PackedLogProbs, wrapped or not)."""
-    for mb in microbatches:
-        logprobs = policy(mb["input_ids"], mb["position_ids"], mb["target_ids"])
-        loss = clipped_loss(
-            logprobs, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"], norm_const
-        )
-        loss.backward()
+def train_microbatches(policy, microbatches, norm_const, *, sync_last_only=False) -> None:
+    """Backward of every microbatch through `policy` (a PackedLogProbs, wrapped or not);
+    sync_last_only: under DDP's `no_sync()` but for the last (one all-reduce per step)."""
+    for index, mb in enumerate(microbatches):
+        last = index == len(microbatches) - 1
+        with contextlib.nullcontext() if last or not sync_last_only else policy.no_sync():
+            logprobs = policy(mb["input_ids"], mb["position_ids"], mb["target_ids"])
+            loss = clipped_loss(
+                logprobs, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"], norm_const
+            )
+            loss.backward()
 
 
 def reference_gradients(model, rollouts) -> dict[str, torch.Tensor]:
@@ -196,6 +201,11 @@ def run_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
         model = tiny_qwen3()
         train_microbatches(DistributedDataParallel(PackedLogProbs(model)), microbatches, norm_const)
         results["ddp"] = gradients(model)
+
+        model = tiny_qwen3()
+        policy = DistributedDataParallel(PackedLogProbs(model))
+        train_microbatches(policy, microbatches, norm_const, sync_last_only=True)
+        results["ddp_no_sync"] = gradients(model)
 
         model = tiny_qwen3()
         policy = PackedLogProbs(model)

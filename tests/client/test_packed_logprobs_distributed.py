@@ -1,12 +1,13 @@
 """`PackedLogProbs` under real torch.distributed: 2 gloo processes, a tiny float64 Qwen3.
 
 Each rank trains its own microbatches of one step (rank 1's second one a zero-token no-op,
-as the sidecar serves) with the constant normalizer N / world_size. Wrapped in DDP or in
-FSDP2, the gradients must be equal on both ranks and equal to the single-process gradient of
-sum(all policy tokens' loss) / N over the unpacked rollouts (each run alone through the
-model's ordinary forward). The old README pattern, `ddp.module.model(...)` with
-`ddp.module.lm_head.weight`, must show the trap it set: no error, gradients never
-synchronized. One launch of `packed_training.py` per module (~10 s, mostly imports).
+as the sidecar serves) with the constant normalizer N / world_size. Wrapped in DDP (synced
+at every backward, or once under `no_sync()`) or in FSDP2, the gradients must be equal on
+both ranks and equal to the single-process gradient of sum(all policy tokens' loss) / N
+over the unpacked rollouts (each run alone through the model's ordinary forward). The old
+README pattern, `ddp.module.model(...)` with `ddp.module.lm_head.weight`, must show the trap
+it set: no error, gradients never synchronized. One launch of `packed_training.py` per
+module (~10 s, mostly imports).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def reference():
     return training.reference_gradients(training.tiny_qwen3(), training.make_rollouts())
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_no_sync", "fsdp2"])
 def test_wrapped_gradients_are_equal_across_ranks_and_match_the_unpacked_reference(
     ranks, reference, wrapper
 ):
