@@ -48,14 +48,15 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _find(model: nn.Module, getter: str, attribute: str, what: str) -> nn.Module:
+def _find(model: nn.Module, getter: str, attribute: str, keyword: str) -> nn.Module:
+    """`model.getter()`, else `model.attribute`: the module passed as `keyword=` otherwise."""
     found = getattr(model, getter)() if hasattr(model, getter) else None
     if found is None:
         found = getattr(model, attribute, None)
     if not isinstance(found, nn.Module):
         raise TypeError(
-            f"cannot find the {what} of {type(model).__name__} (no {getter}() or .{attribute}); "
-            f"pass it explicitly: PackedLogProbs({'body' if what == 'body' else 'output'}=...)"
+            f"cannot find the {keyword} of {type(model).__name__} (no {getter}() or "
+            f".{attribute}); pass it explicitly: PackedLogProbs({keyword}=...)"
         )
     return found
 
@@ -114,7 +115,7 @@ class PackedLogProbs(nn.Module):
         self.output = (
             output
             if output is not None
-            else _find(model, "get_output_embeddings", "lm_head", "output layer")
+            else _find(model, "get_output_embeddings", "lm_head", "output")
         )
         weight = getattr(self.output, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
