@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "checkpointed_log_probs": "logprobs",
     "chunked_log_probs": "logprobs",
     "full_log_probs": "logprobs",
+    "PackedLogProbs": "packed_logprobs",
     "LOSS_MODES": "loss",
     "PolicyLossStats": "loss",
     "aggregate_loss": "loss",

@@ -380,6 +380,10 @@ def checkpointed_log_probs(
     out = _CheckpointedLogProbs.apply(
         flat_hidden, weight, bias, flat_targets, int(chunk_size), float(temperature), return_entropy
     )
+    if targets.ndim == 1:
+        # The Function's own outputs, not views of them: FSDP2 warns about a module that
+        # returns a view (an in-place op on it would skip the module's pre-backward hook).
+        return out
     if not return_entropy:
         return out.reshape(targets.shape)
     return out[0].reshape(targets.shape), out[1].reshape(targets.shape)

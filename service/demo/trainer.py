@@ -5,16 +5,18 @@ Run one process per rank with torchrun's variables set (the demo does this itsel
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m rlfeed.service.demo.trainer --address 127.0.0.1:50051 --steps 4
 
-Each rank pulls its microbatches with `BatchLoader`, scores each packed row with the model
-(restarted position ids; attention confined to each sequence by `cu_seqlens`, as a varlen
-kernel does), computes per-token log-probs with `checkpointed_log_probs` and the clipped
-GRPO loss with `policy_loss(mode="constant")`. The fleet samples with the initial weights,
+Each rank pulls its microbatches with `BatchLoader` and scores each packed row with
+`DistributedDataParallel(PackedLogProbs(body=model, output=model.embed))` (restarted position
+ids; attention confined to each sequence by `cu_seqlens`, as a varlen kernel does;
+checkpointed per-token log-probs), then takes the clipped GRPO loss with
+`policy_loss(mode="constant")`. The fleet samples with the initial weights,
 so the step-0 ratio outlier share checks packing (it must be 0), and later steps' shares
 measure how far the policy has moved from the sampler.
 
 Normalization across ranks: every rank divides its token-loss sum by
 `rank_norm_const(N, world_size) = N / world_size`, where N is the step's served global
-policy-token count, and the gradients are all-reduced as sum / world_size (what DDP does).
+policy-token count, and DDP all-reduces the gradients as sum / world_size, once per step
+(`no_sync()` until the last microbatch; every rank runs as many, no-op ones included).
 The result is grad(sum over every policy token of the step / N): the exact step mean,
 whatever the microbatch split and rank count.
 """
@@ -22,6 +24,7 @@ whatever the microbatch split and rank count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -98,6 +101,12 @@ class TinyCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight
 
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """[1, T, D] hidden states of one packed row [1, T]: the body `PackedLogProbs` calls."""
+        return self.hidden_states(input_ids[0], position_ids[0], cu_seqlens)[None]
+
     def hidden_states(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
@@ -132,41 +141,40 @@ def sequence_log_probs(model: TinyCausalLM, token_ids: list) -> list:
     return out
 
 
-def grpo_step(model, optimizer, step, *, world_size: int, lr_clip: float = 1.0) -> dict:
-    """One optimizer update over this rank's microbatches of `step`; returns figures."""
+def grpo_step(policy, optimizer, step, *, world_size: int, lr_clip: float = 1.0) -> dict:
+    """One optimizer update over this rank's microbatches of `step`; returns figures.
+
+    policy: `DistributedDataParallel(PackedLogProbs(...))`, called as a whole."""
     import torch.distributed as dist
     from rlfeed.client.consistency import ratio_outlier_share
-    from rlfeed.client.logprobs import checkpointed_log_probs
     from rlfeed.client.loss import policy_loss, rank_norm_const
 
     started = time.perf_counter()
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()
     norm_const = rank_norm_const(step.policy_token_count, world_size)
     loss_sum = 0.0
     trainer_lp, sampler_lp, masks = [], [], []
-    for mb in step:
-        if mb.num_tokens == 0:
-            continue  # a no-op microbatch: it only keeps the ranks in lockstep
-        hidden = model.hidden_states(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-        logprobs = checkpointed_log_probs(hidden, model.lm_head_weight, mb.target_ids)
-        loss, _ = policy_loss(
-            logprobs,
-            mb.sampler_logprobs,
-            mb.advantages,
-            mb.loss_mask,
-            mode="constant",
-            norm_const=norm_const,
-        )
-        loss.backward()
+    for index, mb in enumerate(step):
+        # Gradients accumulate locally; the last microbatch's backward all-reduces their sum.
+        last = index == len(step) - 1
+        with contextlib.nullcontext() if last else policy.no_sync():
+            logprobs = policy(
+                mb.input_ids, mb.position_ids, mb.target_ids, cu_seqlens=mb.cu_seqlens
+            )
+            loss, _ = policy_loss(
+                logprobs,
+                mb.sampler_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                mode="constant",
+                norm_const=norm_const,
+            )
+            loss.backward()
         loss_sum += float(loss.detach())
         trainer_lp.append(logprobs.detach())
         sampler_lp.append(mb.sampler_logprobs)
         masks.append(mb.loss_mask)
-    # DDP's reduction by hand: sum over ranks, divided by world size.
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-        parameter.grad /= world_size
-    torch.nn.utils.clip_grad_norm_(model.parameters(), lr_clip)
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), lr_clip)
     optimizer.step()
     seconds = time.perf_counter() - started
 
@@ -213,6 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from rlfeed.client.loader import BatchLoader
+    from rlfeed.client.packed_logprobs import PackedLogProbs
+    from torch.nn.parallel import DistributedDataParallel
 
     parser = argparse.ArgumentParser(prog="python -m rlfeed.service.demo.trainer")
     add_arguments(parser)
@@ -221,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = TinyCausalLM(TinyModelConfig(vocab_size=args.vocab_size, seed=args.seed))
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # The LM head is the tied embedding; all compute runs in the wrapper's forward.
+    policy = DistributedDataParallel(PackedLogProbs(body=model, output=model.embed))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     summary = open(args.summary_file, "a") if (rank == 0 and args.summary_file) else None  # noqa: SIM115
     loader = BatchLoader(
         args.address,
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         for step in loader:
-            figures = grpo_step(model, optimizer, step, world_size=world_size)
+            figures = grpo_step(policy, optimizer, step, world_size=world_size)
             loader.report(
                 step.step,
                 loss=figures["loss"],

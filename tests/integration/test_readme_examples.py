@@ -2,12 +2,15 @@
 
 The code blocks are read from README.md between `<!-- producer-example -->` /
 `<!-- trainer-example -->` markers and their closing `<!-- /... -->` markers, so the
-examples users copy cannot rot.
+examples users copy cannot rot. The trainer runs twice: in this process (one rank), and
+under `torchrun --standalone --nproc_per_node 2`, where it wraps its module in DDP.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +76,47 @@ def test_readme_producer_and_trainer_run_against_a_real_sidecar(make_sidecar, mo
     assert {r.step for r in status.last_reports} == {1}
     after = list(trainer["model"].parameters())
     assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after, strict=True))
+
+
+def test_readme_trainer_under_torchrun_keeps_the_ranks_weights_equal(
+    make_sidecar, monkeypatch, tmp_path
+):
+    """Two ranks (DDP over gloo), each training on its own microbatches: equal weights after
+    two optimizer steps mean the gradients were all-reduced. (The example's former
+    `ddp.module.model(...)` pattern ran as well, and left every rank's weights its own.)"""
+    sidecar = make_sidecar(
+        batching={"token_budget": 1024, "world_size": 2},
+        rollouts={"prompts_per_step": 8, "group_size": 8, "vocab_size": 1000},
+    )
+    monkeypatch.setenv("RLFEED_ADDRESS", sidecar.address)
+    np.random.seed(1)
+    exec(compile(example("producer-example"), "producer-example", "exec"), {})
+    script = tmp_path / "trainer.py"
+    save = "torch.save(model.state_dict(), f\"{os.environ['OUT']}/rank{os.environ['RANK']}.pt\")\n"
+    script.write_text(example("trainer-example") + save)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    run = subprocess.run(
+        [*torchrun, "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    from rlfeed.client.transport import GrpcTransport
+
+    transport = GrpcTransport(sidecar.address)
+    try:
+        status = transport.status()
+    finally:
+        transport.close()
+    assert status.counters.trainer_reports == 4  # 2 steps x 2 ranks
+    first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
 
 
 def _parameters_after_init():
