@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 import grpc
-
 from rlfeed.service.security.config import SecurityConfig
 
 _log = logging.getLogger(__name__)
@@ -45,9 +44,7 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials:
     )
 
 
-def channel_credentials(
-    *, ca: str = "", cert: str = "", key: str = ""
-) -> grpc.ChannelCredentials:
+def channel_credentials(*, ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """Client-side TLS credentials from PEM paths: `ca` to verify the server (system roots
     when ''), `cert` + `key` to present for mutual TLS (e.g. a front-end reaching its
     peers with the sidecar's own material, or `rlfeed status` on the sidecar's host)."""

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Sequence
 
 import grpc
-
 from rlfeed.service.security.roles import MethodRoles, public_method_roles
 from rlfeed.service.security.tokens import TokenStore
 
@@ -135,6 +134,4 @@ def peer_interceptor(peer_token: str) -> AuthInterceptor:
     GetBatch; every token of the token file is refused there."""
     from rlfeed.service.security.roles import PEER, peer_method_roles
 
-    return AuthInterceptor(
-        TokenStore(tokens={peer_token: PEER}), method_roles=peer_method_roles()
-    )
+    return AuthInterceptor(TokenStore(tokens={peer_token: PEER}), method_roles=peer_method_roles())

@@ -58,13 +58,11 @@ def parse_token_file(text: str, source: str) -> dict[str, str]:
         if role not in FILE_ROLES:
             # The field is not echoed: a line written `ROLE TOKEN` would print the token.
             raise TokenFileError(
-                f"{where}: the second field is not a role (expected one of "
-                f"{', '.join(FILE_ROLES)})"
+                f"{where}: the second field is not a role (expected one of {', '.join(FILE_ROLES)})"
             )
         if not _valid_token(token):
             raise TokenFileError(
-                f"{where}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII "
-                "characters"
+                f"{where}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII characters"
             )
         if token in first_line:
             raise TokenFileError(f"{where}: repeats the token of line {first_line[token]}")

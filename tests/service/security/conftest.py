@@ -42,7 +42,9 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _certificate(subject: str, key, issuer: x509.Name, issuer_key, *, ca=False, usage=None, names=()):
+def _certificate(
+    subject: str, key, issuer: x509.Name, issuer_key, *, ca=False, usage=None, names=()
+):
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
         x509.CertificateBuilder()
@@ -236,9 +238,7 @@ def secured(pki, tokens):
     mtls = SecurityConfig(
         tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca)
     )
-    server, servicer, addresses = serve_fake(
-        [AuthInterceptor(store)], SecurityConfig(), tls, mtls
-    )
+    server, servicer, addresses = serve_fake([AuthInterceptor(store)], SecurityConfig(), tls, mtls)
     try:
         yield SecuredServer(server, servicer, store, *addresses)
     finally:

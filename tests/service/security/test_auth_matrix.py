@@ -58,9 +58,7 @@ def call(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCo
         ),
         "SampleTasks": lambda **kw: tasks.SampleTasks(pb.SampleTasksRequest(n=1), **kw),
         "GetBatch": lambda **kw: batches.GetBatch(pb.GetBatchRequest(), **kw),
-        "ReportTrainerMetrics": lambda **kw: batches.ReportTrainerMetrics(
-            pb.TrainerReport(), **kw
-        ),
+        "ReportTrainerMetrics": lambda **kw: batches.ReportTrainerMetrics(pb.TrainerReport(), **kw),
         "GetStatus": lambda **kw: status.GetStatus(pb.GetStatusRequest(), **kw),
     }
     try:
@@ -73,10 +71,14 @@ def call(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCo
 def open_channel(address, pki, *, tls=True, ca="ca", client=None) -> grpc.Channel:
     if not tls:
         return grpc.insecure_channel(address)
-    cert_key = {} if client is None else {
-        "certificate_chain": pki.read(f"{client}_cert"),
-        "private_key": pki.read(f"{client}_key"),
-    }
+    cert_key = (
+        {}
+        if client is None
+        else {
+            "certificate_chain": pki.read(f"{client}_cert"),
+            "private_key": pki.read(f"{client}_key"),
+        }
+    )
     credentials = grpc.ssl_channel_credentials(root_certificates=pki.read(ca), **cert_key)
     return grpc.secure_channel(address, credentials)
 
@@ -126,9 +128,7 @@ HANDSHAKE_REFUSALS = {
 
 
 @pytest.mark.parametrize("case", sorted(HANDSHAKE_REFUSALS))
-def test_a_failed_handshake_reaches_nothing_even_with_an_admin_token(
-    secured, tokens, pki, case
-):
+def test_a_failed_handshake_reaches_nothing_even_with_an_admin_token(secured, tokens, pki, case):
     listener, options = HANDSHAKE_REFUSALS[case]
     before = sum(secured.calls.values())
     with open_channel(getattr(secured, listener), pki, **options) as channel:
