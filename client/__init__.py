@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "BatchLoader": "loader",
     "TrainStep": "loader",
     "RolloutWriter": "producer",
+    "AuthenticationError": "transport",
     "BufferFullError": "transport",
     "GrpcTransport": "transport",
     "InProcessTransport": "transport",
