@@ -206,7 +206,7 @@ class SecuredServer:
         return self.servicer.calls
 
 
-def serve_fake(interceptors, *configs: SecurityConfig) -> tuple[grpc.Server, FakeServicer, list]:
+def _serve_fake(interceptors, *configs: SecurityConfig) -> tuple[grpc.Server, FakeServicer, list]:
     """A started grpc.server with the fake servicer and health, one loopback port per
     config; returns it, the servicer and the addresses."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -226,6 +226,13 @@ def serve_fake(interceptors, *configs: SecurityConfig) -> tuple[grpc.Server, Fak
 
 
 @pytest.fixture
+def serve_fake():
+    """`serve_fake(interceptors, *security_configs)` -> (started server, its FakeServicer,
+    one "127.0.0.1:port" per config); the caller stops the server."""
+    return _serve_fake
+
+
+@pytest.fixture
 def fake_servicer() -> FakeServicer:
     """A fresh FakeServicer (for servers a test builds itself)."""
     return FakeServicer()
@@ -238,7 +245,7 @@ def secured(pki, tokens):
     mtls = SecurityConfig(
         tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca)
     )
-    server, servicer, addresses = serve_fake([AuthInterceptor(store)], SecurityConfig(), tls, mtls)
+    server, servicer, addresses = _serve_fake([AuthInterceptor(store)], SecurityConfig(), tls, mtls)
     try:
         yield SecuredServer(server, servicer, store, *addresses)
     finally:
