@@ -7,6 +7,8 @@ roles checked by a server interceptor, token rotation on SIGHUP (`README.md` her
 - `interceptor.AuthInterceptor`: refuses calls without a token of an allowed role.
 - `credentials.bind_port`: a port with TLS/mTLS (or plaintext) per the config.
 - `signals.reload_tokens_on_sighup`: rotation without a restart.
+- `server_security.ServerSecurity`: all of the above for the server start-up, in one call.
 
-Nothing here runs at import time; the server start-up builds and wires these.
+Nothing here runs at import time; the server start-up builds and wires these
+(`ServerSecurity.from_config`).
 """

@@ -86,3 +86,26 @@ def test_the_method_map_covers_every_method_of_the_contract():
             allowed = roles[f"/{service.full_name}/{method.name}"]
             assert "admin" in allowed and "peer" not in allowed
     assert all(allowed == {"peer"} for name, allowed in roles.items() if "internal" in name)
+
+
+def test_server_security_builds_binds_and_describes(pki, tokens, fake_servicer):
+    from rlfeed.service.security.server_security import ServerSecurity
+
+    config = SecurityConfig(
+        tls_cert=str(pki.server_cert),
+        tls_key=str(pki.server_key),
+        tls_client_ca=str(pki.ca),
+        auth_token_file=str(tokens.path),
+    )
+    security = ServerSecurity.from_config(config)
+    assert (
+        security.describe() == "mutual TLS, tokens (admin 1, producer 1, trainer 1), reflection off"
+    )
+    assert ServerSecurity.from_config(SecurityConfig()).describe() == (
+        "plaintext, no tokens, reflection off"
+    )
+    server = grpc.server(thread_pool=None, interceptors=security.interceptors)
+    assert security.bind(server, "127.0.0.1:0") > 0
+    server.stop(None)
+    restore = security.reload_on_sighup()
+    restore()
