@@ -109,3 +109,21 @@ def test_server_security_builds_binds_and_describes(pki, tokens, fake_servicer):
     server.stop(None)
     restore = security.reload_on_sighup()
     restore()
+
+
+def test_the_peer_map_names_the_methods_the_peer_service_serves():
+    from collections import namedtuple
+
+    from rlfeed.service.replicas import peers
+    from rlfeed.service.security.roles import PEER_METHODS, PEER_SERVICE, peer_method_roles
+
+    assert peers.PEER_SERVICE == PEER_SERVICE
+    handler = peers.peer_handler(lambda key: None, lambda step, rank: None, lambda s, f: None)
+    details = namedtuple("Details", "method invocation_metadata")
+    for name in PEER_METHODS:
+        assert handler.service(details(f"/{PEER_SERVICE}/{name}", ())) is not None, name
+    assert handler.service(details(f"/{PEER_SERVICE}/Unknown", ())) is None
+    assert set(peer_method_roles()) == {
+        *(f"/{PEER_SERVICE}/{name}" for name in PEER_METHODS),
+        "/rlfeed.v1.BatchServing/GetBatch",
+    }
