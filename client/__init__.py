@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "BatchLoader": "loader",
     "TrainStep": "loader",
     "RolloutWriter": "producer",
+    "AuthenticationError": "transport",
     "BufferFullError": "transport",
     "GrpcTransport": "transport",
     "InProcessTransport": "rlfeed.service.inprocess",  # service side; resolved on use only

@@ -97,6 +97,9 @@ class BatchLoader:
     poll_s: longest single server-side wait; bounds how long `close()` takes.
     retained_free_mib: free memory (MiB) a heap of this process may keep for reuse, set at
       the first fetch (process-wide; see the module docstring); 0 = glibc's defaults.
+    token, tls_ca, tls_cert, tls_key, tls_server_name: a secured sidecar's credentials
+      (see `GrpcTransport`; default: `RLFEED_TOKEN`, `RLFEED_TLS_CA`, ... from the
+      environment). A refused credential raises `AuthenticationError`.
     """
 
     def __init__(
@@ -111,6 +114,11 @@ class BatchLoader:
         timeout_s: float = 600.0,
         poll_s: float = 0.5,
         retained_free_mib: int = DEFAULT_RETAINED_FREE_MIB,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -128,7 +136,14 @@ class BatchLoader:
                 f"got {retained_free_mib}"
             )
         self._retained_free_bytes = retained_free_mib << 20
-        self._transport, self._owns_transport = connect(address_or_transport)
+        self._transport, self._owns_transport = connect(
+            address_or_transport,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
         # The in-place view where the transport offers one: tensors then alias the received
         # bytes instead of copies the generated message would make.
         self._get_batch = (

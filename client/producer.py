@@ -72,6 +72,9 @@ class RolloutWriter:
       sidecar may then see them in another order; acks still come back in batch order).
       Each sender keeps the serialized batch it sent last until its next one (memory:
       up to max_in_flight batches of max_batch_bytes beyond the buffer).
+    token, tls_ca, tls_cert, tls_key, tls_server_name: a secured sidecar's credentials
+      (see `GrpcTransport`; default: `RLFEED_TOKEN`, `RLFEED_TLS_CA`, ... from the
+      environment). A refused credential raises `AuthenticationError`, not retried.
     """
 
     def __init__(
@@ -86,6 +89,11 @@ class RolloutWriter:
         retry_backoff_s: float = 0.01,
         retry_unavailable_s: float = 30.0,
         max_in_flight: int = 1,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         if max_batch_rollouts < 1:
             raise ValueError(f"max_batch_rollouts must be >= 1, got {max_batch_rollouts}")
@@ -98,7 +106,14 @@ class RolloutWriter:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if on_full not in ("block", "raise"):
             raise ValueError(f"on_full must be 'block' or 'raise', got {on_full!r}")
-        self._transport, self._owns_transport = connect(address_or_transport)
+        self._transport, self._owns_transport = connect(
+            address_or_transport,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
         # Request bytes written in one copy where the transport takes them (one copy of the
         # token data, not three), as the loader resolves its fast path once.
         self._submit_serialized = fast_variant(self._transport, "submit", "submit_serialized")

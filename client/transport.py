@@ -8,7 +8,9 @@ without a server.
 
 Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT, with
 its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
-(NOT_FOUND: the step is no longer retained), `SidecarError` for anything else.
+(NOT_FOUND: the step is no longer retained), `AuthenticationError` (UNAUTHENTICATED or
+PERMISSION_DENIED: the token or certificate was refused), `SidecarError` for anything
+else.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ class StepReleasedError(SidecarError, LookupError):
         super().__init__("NOT_FOUND", message)
 
 
+class AuthenticationError(SidecarError, PermissionError):
+    """The sidecar refused the caller (`code` UNAUTHENTICATED: no token or an unknown one;
+    PERMISSION_DENIED: the token's role may not make this call). The message names the
+    sidecar's address and the server's reason, never the token. Not retried."""
+
+    def __init__(self, code: str, message: str, address: str = "") -> None:
+        where = f"sidecar {address} refused the call" if address else "the sidecar refused the call"
+        super().__init__(code, f"{where}: {message}")
+        self.address = address
+
+
 @runtime_checkable
 class Transport(Protocol):
     """The calls the client library makes. Every method may raise a `SidecarError`."""
@@ -81,17 +94,42 @@ class GrpcTransport:
 
     Message size limits are lifted on the client side (a step of long rollouts is tens of
     MiB); the server's own limit is its `[server] max_message_bytes`.
+
+    token, tls_ca, tls_cert, tls_key, tls_server_name: the credentials of a secured sidecar
+    (`client/auth.py`): each defaults to its environment variable (`RLFEED_TOKEN` or
+    `RLFEED_TOKEN_FILE`, `RLFEED_TLS_CA`, ...), "" means none. TLS is on when a CA or a
+    client certificate is given; the token is sent on every call.
     """
 
-    def __init__(self, address: str, *, call_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        call_timeout_s: float = 60.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
         import grpc
+        from rlfeed.client.auth import ChannelSecurity, open_channel
         from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 
+        security = ChannelSecurity.resolve(
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
         self.address = address
+        self.tls = security.tls
         self._grpc = grpc
         self._call_timeout_s = call_timeout_s
-        self._channel = grpc.insecure_channel(
+        self._channel = open_channel(
             address,
+            security,
             options=[
                 ("grpc.max_send_message_length", -1),
                 ("grpc.max_receive_message_length", -1),
@@ -116,7 +154,7 @@ class GrpcTransport:
         try:
             return method(request, timeout=timeout_s or self._call_timeout_s)
         except self._grpc.RpcError as exc:
-            raise _sidecar_error(exc) from None
+            raise _sidecar_error(exc, self.address) from None
 
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
         return self._call(self._ingest.SubmitRolloutBatch, batch)
@@ -152,9 +190,11 @@ class GrpcTransport:
         self._channel.close()
 
 
-def _sidecar_error(exc) -> SidecarError:
+def _sidecar_error(exc, address: str = "") -> SidecarError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     message = exc.details() or str(exc)
+    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return AuthenticationError(code, message, address)
     if code == "INVALID_ARGUMENT":
         return InvalidRolloutsError(message)
     if code == "RESOURCE_EXHAUSTED":
@@ -176,11 +216,18 @@ def fast_variant(transport: Transport, plain: str, fast: str):
     return getattr(transport, fast)
 
 
-def connect(address_or_transport: str | Transport) -> tuple[Transport, bool]:
+def connect(
+    address_or_transport: str | Transport, **credentials: str | None
+) -> tuple[Transport, bool]:
     """(transport, owned): a `GrpcTransport` for an address string (owned: close it after
-    use), or the given transport as is (not owned)."""
+    use) with `credentials` (GrpcTransport's token and tls_* arguments; None = from the
+    environment), or the given transport as is (not owned; it was given its credentials
+    when made, so passing any here is a ValueError)."""
     if isinstance(address_or_transport, str):
-        return GrpcTransport(address_or_transport), True
+        return GrpcTransport(address_or_transport, **credentials), True
+    if any(value is not None for value in credentials.values()):
+        named = ", ".join(sorted(k for k, v in credentials.items() if v is not None))
+        raise ValueError(f"{named}: credentials go with an address, not with a Transport")
     if not isinstance(address_or_transport, Transport):
         raise TypeError(
             f"expected 'host:port' or a Transport, got {type(address_or_transport).__name__}"

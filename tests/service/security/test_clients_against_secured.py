@@ -1,0 +1,76 @@
+"""The client library against the secured loopback server of conftest (FAKE servicer):
+credentials from the environment only, as the README examples would run unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from rlfeed.client import AuthenticationError, BatchLoader, GrpcTransport, SidecarError
+
+
+@pytest.fixture
+def mtls_env(monkeypatch, pki, tokens):
+    for name in ("RLFEED_TOKEN", "RLFEED_TOKEN_FILE", "RLFEED_TLS_SERVER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RLFEED_TLS_CA", str(pki.ca))
+    monkeypatch.setenv("RLFEED_TLS_CERT", str(pki.client_cert))
+    monkeypatch.setenv("RLFEED_TLS_KEY", str(pki.client_key))
+    return monkeypatch
+
+
+def test_transport_takes_token_and_mtls_from_the_environment(secured, tokens, mtls_env):
+    mtls_env.setenv("RLFEED_TOKEN", tokens.admin)
+    before = secured.calls["GetStatus"]
+    transport = GrpcTransport(secured.mtls)
+    try:
+        transport.status()
+        transport.sample_tasks(1)
+    finally:
+        transport.close()
+    assert transport.tls and secured.calls["GetStatus"] == before + 1
+
+
+def test_a_token_file_in_the_environment_works_too(secured, tokens, mtls_env, tmp_path):
+    token_file = tmp_path / "trainer.token"
+    token_file.write_text(f"# rank token\n{tokens.trainer} trainer\n")
+    mtls_env.setenv("RLFEED_TOKEN_FILE", str(token_file))
+    before = secured.calls["GetBatch"]
+    loader = BatchLoader(secured.mtls, rank=0, world_size=1, timeout_s=0.2, poll_s=0.05)
+    try:
+        with pytest.raises(TimeoutError):  # the fake never has a step ready
+            loader.fetch(0)
+    finally:
+        loader.close()
+    assert secured.calls["GetBatch"] > before
+
+
+def test_a_refused_token_is_an_authentication_error_naming_the_address(secured, tokens, mtls_env):
+    mtls_env.setenv("RLFEED_TOKEN", tokens.producer)
+    loader = BatchLoader(secured.mtls, rank=0, world_size=1, timeout_s=5)
+    try:
+        with pytest.raises(AuthenticationError) as refused:
+            loader.fetch(0)
+    finally:
+        loader.close()
+    error = refused.value
+    assert isinstance(error, SidecarError) and error.code == "PERMISSION_DENIED"
+    assert secured.mtls in str(error) and tokens.producer not in str(error)
+
+    mtls_env.setenv("RLFEED_TOKEN", tokens.unknown)
+    transport = GrpcTransport(secured.mtls)
+    try:
+        with pytest.raises(AuthenticationError) as refused:
+            transport.status()
+    finally:
+        transport.close()
+    assert refused.value.code == "UNAUTHENTICATED" and tokens.unknown not in str(refused.value)
+
+
+def test_explicit_arguments_override_the_environment(secured, tokens, pki, mtls_env):
+    mtls_env.setenv("RLFEED_TOKEN", tokens.unknown)
+    transport = GrpcTransport(
+        secured.tls, token=tokens.admin, tls_ca=str(pki.ca), tls_cert="", tls_key=""
+    )
+    try:
+        transport.status()
+    finally:
+        transport.close()
