@@ -30,15 +30,15 @@ import json
 import sys
 from pathlib import Path
 
-from rlfeed.service.cli.argtypes import non_negative_int, positive_int
+from rlfeed.service.cli.argtypes import (
+    DEFAULT_ADDRESS,
+    UsageError,
+    non_negative_int,
+    positive_int,
+)
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_BUDGET = 2048  # the demo's token budget
 EXAMPLE_GROUPS = 8  # x 8 episodes: one demo step
-
-
-class _UsageError(Exception):
-    """Bad input: reported on stderr, exit status 2."""
 
 
 class _SidecarError(Exception):
@@ -85,12 +85,12 @@ def read_lengths(text: str, source: str) -> tuple[list[int], list[list[int]] | N
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise _UsageError(f"{source}: not valid JSON: {exc}") from None
+            raise UsageError(f"{source}: not valid JSON: {exc}") from None
         if isinstance(data, list):
             data = {"lengths": data}
         lengths, masks = data.get("lengths"), data.get("action_masks")
         if not isinstance(lengths, list):
-            raise _UsageError(f'{source}: expected a list or {{"lengths": [...]}}')
+            raise UsageError(f'{source}: expected a list or {{"lengths": [...]}}')
     else:
         lengths, masks = [], None
         for number, line in enumerate(text.splitlines(), start=1):
@@ -99,14 +99,14 @@ def read_lengths(text: str, source: str) -> tuple[list[int], list[list[int]] | N
                 try:
                     lengths.append(int(content))
                 except ValueError:
-                    raise _UsageError(
+                    raise UsageError(
                         f"{source}:{number}: expected a length, got {content!r}"
                     ) from None
     for index, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise _UsageError(f"{source}: lengths[{index}] must be an integer >= 1, got {length!r}")
+            raise UsageError(f"{source}: lengths[{index}] must be an integer >= 1, got {length!r}")
     if not lengths:
-        raise _UsageError(f"{source}: no lengths")
+        raise UsageError(f"{source}: no lengths")
     return lengths, masks
 
 
@@ -132,11 +132,11 @@ def _offline_layout(args: argparse.Namespace):
     try:
         text = sys.stdin.read() if args.lengths == "-" else Path(args.lengths).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise _UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
+        raise UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
     lengths, masks = read_lengths(text, args.lengths)
     too_long = [i for i, length in enumerate(lengths) if length > args.budget]
     if too_long:
-        raise _UsageError(
+        raise UsageError(
             f"{args.lengths}: lengths[{too_long[0]}] = {lengths[too_long[0]]} is longer than "
             f"--budget {args.budget}"
         )
@@ -145,7 +145,7 @@ def _offline_layout(args: argparse.Namespace):
             lengths, token_budget=args.budget, world_size=args.world_size, action_masks=masks
         )
     except ValueError as exc:
-        raise _UsageError(f"{args.lengths}: {exc}") from None
+        raise UsageError(f"{args.lengths}: {exc}") from None
 
 
 def _served_layout(args: argparse.Namespace):
@@ -184,12 +184,12 @@ def _served_layout(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     try:
         if args.step is not None and (args.lengths or args.example):
-            raise _UsageError("--step draws a served step; it cannot go with --lengths/--example")
+            raise UsageError("--step draws a served step; it cannot go with --lengths/--example")
         try:
             import matplotlib  # noqa: F401  (the `plot` extra)
             from rlfeed.service.metrics.layout_plot import figure_size_px, render_layout_png
         except ImportError:
-            raise _UsageError("matplotlib is not installed: pip install 'rlfeed[plot]'") from None
+            raise UsageError("matplotlib is not installed: pip install 'rlfeed[plot]'") from None
         if args.example:
             layout = _example_layout(args)
         elif args.lengths:
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             layout = _served_layout(args)
         png = render_layout_png(layout)
         Path(args.output).write_bytes(png)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"rlfeed layout: {exc}", file=sys.stderr)
         return 2
     except _SidecarError as exc:

@@ -28,15 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from rlfeed.service.cli.argtypes import non_negative_float, positive_int
+from rlfeed.service.cli.argtypes import UsageError, non_negative_float, positive_int
 
 DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
 DEFAULT_WORLD_SIZE = 1
 EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service.cli package
-
-
-class _UsageError(Exception):
-    """Bad input: reported on stderr, exit status 2 (argparse's convention)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,11 +104,11 @@ def parse_lengths(text: str, source: str) -> tuple[list[int], list[int]]:
         try:
             value = int(content)
         except ValueError:
-            raise _UsageError(
+            raise UsageError(
                 f"{source}:{number}: expected one whole number of tokens, got {content!r}"
             ) from None
         if value < 1:
-            raise _UsageError(f"{source}:{number}: length must be >= 1, got {value}")
+            raise UsageError(f"{source}:{number}: length must be >= 1, got {value}")
         lengths.append(value)
         line_numbers.append(number)
     return lengths, line_numbers
@@ -127,7 +123,7 @@ def _read(args: argparse.Namespace) -> tuple[str, str]:
     try:
         return Path(args.lengths).read_text(), args.lengths
     except (OSError, UnicodeDecodeError) as exc:
-        raise _UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
+        raise UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
 
 
 def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
@@ -224,13 +220,13 @@ def run(args: argparse.Namespace) -> int:
         too_long = [i for i, length in enumerate(lengths) if length > args.budget]
         if too_long:
             index = too_long[0]
-            raise _UsageError(
+            raise UsageError(
                 f"{source}:{line_numbers[index]}: sequence {index} has length "
                 f"{lengths[index]}, longer than the token budget {args.budget} "
                 f"({len(too_long)} sequence(s) too long); raise --budget or drop them"
             )
         plan = build_plan(lengths, args)
-    except (_UsageError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:
         print(f"rlfeed plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
