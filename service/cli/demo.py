@@ -25,15 +25,6 @@ import argparse
 import sys
 
 DEFAULT_STEPS = 4
-# The demo's sidecar settings where they differ from `rlfeed serve`'s defaults: a token
-# budget the tiny model handles on CPU, the fleet's vocabulary, two ranks, and dropping
-# zero-advantage groups so every step carries gradient.
-DEMO_OVERRIDES = {
-    "server": {"port": 0},
-    "batching": {"token_budget": 2048, "world_size": 2},
-    "rollouts": {"prompts_per_step": 8, "group_size": 8, "vocab_size": 512},
-    "advantages": {"drop_zero_advantage": True},
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

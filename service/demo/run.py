@@ -26,10 +26,18 @@ import threading
 import time
 from pathlib import Path
 
-from rlfeed.service.cli.demo import DEMO_OVERRIDES
-
 # Sampled groups the fleet keeps in flight ahead of the trainers, in steps.
 STEPS_AHEAD = 2
+# The demo's sidecar settings where they differ from `rlfeed serve`'s defaults: a token
+# budget the tiny model handles on CPU, the fleet's vocabulary, two ranks, and dropping
+# zero-advantage groups so every step carries gradient. Defined here, the one module that
+# uses them: `cli/demo.py` imports this module lazily, and nothing points back.
+DEMO_OVERRIDES = {
+    "server": {"port": 0},
+    "batching": {"token_budget": 2048, "world_size": 2},
+    "rollouts": {"prompts_per_step": 8, "group_size": 8, "vocab_size": 512},
+    "advantages": {"drop_zero_advantage": True},
+}
 
 
 def _free_port() -> int:
