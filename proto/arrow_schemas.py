@@ -6,6 +6,10 @@ server's codec and the batch loader all take them from here so the three cannot 
 
 import pyarrow as pa
 
+# Bytes of one token across the three per-token rollout columns: int32 id + uint8 mask +
+# float32 log-prob.
+TOKEN_BYTES = 4 + 1 + 4
+
 ROLLOUT_SCHEMA = pa.schema(
     [
         ("rollout_id", pa.string()),

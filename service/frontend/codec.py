@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 from rlfeed import __version__
-from rlfeed.client.arrow_codec import ipc_stream_pieces
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.proto.ipc_framing import ipc_stream_pieces
 from rlfeed.proto.wire import length_delimited, split_field
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 

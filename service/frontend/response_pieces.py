@@ -19,9 +19,9 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
-from rlfeed.client.arrow_codec import microbatch_framing
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.proto.ipc_framing import microbatch_framing
 from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
 from rlfeed.sched.gather import (
     COLUMN_DTYPES,
