@@ -8,7 +8,7 @@ The fleet stops producing once the groups of the last step to train are in, so t
 assembles exactly the steps trained (the summary and the metrics then count the same steps).
 Every started thing is stopped on every path (`try/finally`).
 
-The summary prices each trained step with `metric_figures.price_tokens` under the config's
+The summary prices each trained step with `metrics.figures.price_tokens` under the config's
 `[accounting]`, the function and assumptions the metrics use: from the sidecar's own step
 records when the demo runs it (embedded), else from rank 0's figures (a running sidecar:
 positions computed = tokens, which is what the demo trainer's varlen attention computes).
@@ -249,7 +249,7 @@ def _wait_for(processes: list[subprocess.Popen], abort: threading.Event) -> list
         time.sleep(0.1)
 
 
-def _step_prices(figures, records, cost):
+def _step_prices(figures, records, accounting):
     """(real tokens, computed positions, padded positions, StepPrice) of every trained step:
     the sidecar's record of it when known, else rank 0's figures."""
     from rlfeed.service.metrics.figures import price_tokens
@@ -264,7 +264,7 @@ def _step_prices(figures, records, cost):
             policy, real = figure["policy_tokens"], figure["tokens"]
             computed, padded = real, figure["padded_positions"]
         price = price_tokens(
-            cost,
+            accounting,
             policy_tokens=policy,
             real_tokens=real,
             computed_positions=computed,
@@ -275,8 +275,8 @@ def _step_prices(figures, records, cost):
 
 
 def _print_summary(figures, records, fleet_stats, status, config, seconds: float) -> None:
-    from rlfeed.service.metrics.figures import SECONDS_PER_HOUR, share
-    from rlfeed.service.metrics.recorder import MetricsConfig
+    from rlfeed.sched.assembly import share
+    from rlfeed.service.metrics.figures import SECONDS_PER_HOUR
 
     steps = len(figures)
     tokens = sum(f["tokens"] for f in figures)
@@ -285,8 +285,8 @@ def _print_summary(figures, records, fleet_stats, status, config, seconds: float
     zero_share = fleet_stats.zero_advantage_groups / max(fleet_stats.groups, 1)
     uniform_share = fleet_stats.expected_uniform_zero_advantage_groups / max(fleet_stats.groups, 1)
     dropped = status.counters.zero_advantage_rollouts_dropped
-    cost = MetricsConfig.from_sidecar_config(config).cost
-    priced = _step_prices(figures, records, cost)
+    accounting = config.accounting
+    priced = _step_prices(figures, records, accounting)
     real = sum(p[0] for p in priced)
     computed = sum(p[1] for p in priced)
     padded = sum(p[2] for p in priced)
@@ -316,7 +316,7 @@ def _print_summary(figures, records, fleet_stats, status, config, seconds: float
         "final loss": f"{figures[-1]['loss']:+.4f}",
         "predicted GPU-hours per step": (
             f"{gpu_hours:.4g} packed vs {padded_hours:.4g} padded "
-            f"({cost.model} on {cost.gpu}, at these steps' token counts)"
+            f"({accounting.model} on {accounting.gpu}, at these steps' token counts)"
         ),
         "wall time": f"{seconds:.1f} s",
     }

@@ -1,6 +1,6 @@
 """The gRPC front-end's hooks wired to the Prometheus metrics, and the exporter of a sidecar.
 
-`MetricsEvents` is the `ServerEvents` that forwards every hook to `RlfeedMetrics` (pure
+`MetricsEvents` is the `ServerEvents` that forwards every hook to `SidecarMetrics` (pure
 translation: record fields in, metric updates out). `SidecarExporter` is what `rlfeed serve`
 and `rlfeed demo` run: the metrics, those hooks, a refresh that pulls the scheduler actor's
 levels (buffer, filter sizes, every task's pass-rate estimate) before a scrape, and the HTTP
@@ -28,7 +28,7 @@ from typing import Any
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.metrics.http import MetricsServer
-from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics, reject_reason
+from rlfeed.service.metrics.recorder import MetricsConfig, SidecarMetrics, reject_reason
 from rlfeed.service.scheduler.records import IngestResult, SampleResult, StepRecord
 
 # A scrape waits at most this long for the scheduler actor's levels (a busy or dead actor
@@ -47,7 +47,7 @@ class MetricsEvents(ServerEvents):
     each metric means). Stale rollouts count both the batch's own and those of buffered groups the
     batch made stale, as the scheduler's `rollouts_stale` counter does."""
 
-    def __init__(self, metrics: RlfeedMetrics, config: SidecarConfig) -> None:
+    def __init__(self, metrics: SidecarMetrics, config: SidecarConfig) -> None:
         self.metrics = metrics
         self._token_budget = config.batching.token_budget
         self._group_size = config.rollouts.group_size
@@ -95,7 +95,7 @@ class MetricsEvents(ServerEvents):
 
 
 def scheduler_refresh(
-    metrics: RlfeedMetrics, actor: Any, *, timeout_s: float = REFRESH_TIMEOUT_SECONDS
+    metrics: SidecarMetrics, actor: Any, *, timeout_s: float = REFRESH_TIMEOUT_SECONDS
 ) -> Callable[[], None]:
     """The `set_refresh` callable of a Ray-hosted scheduler: one round trip for its status
     and every task's pass-rate estimate, fed to `metrics.on_status`."""
@@ -118,7 +118,7 @@ class SidecarExporter:
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
-        self.metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
+        self.metrics = SidecarMetrics(MetricsConfig.from_sidecar_config(config))
         self.events = MetricsEvents(self.metrics, config)
         self.http: MetricsServer | None = None
 

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
-from rlfeed.service.metrics.recorder import RlfeedMetrics
+from rlfeed.service.metrics.recorder import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _INDEX = (
 )
 
 
-def _handler_for(metrics: RlfeedMetrics) -> type[BaseHTTPRequestHandler]:
+def _handler_for(metrics: SidecarMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "rlfeed-metrics"
 
@@ -89,9 +89,9 @@ def _handler_for(metrics: RlfeedMetrics) -> type[BaseHTTPRequestHandler]:
 
 
 class MetricsServer:
-    """Serves one RlfeedMetrics over HTTP on (host, port); port 0 picks a free one."""
+    """Serves one SidecarMetrics over HTTP on (host, port); port 0 picks a free one."""
 
-    def __init__(self, metrics: RlfeedMetrics, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, metrics: SidecarMetrics, *, host: str = "127.0.0.1", port: int = 0):
         self.metrics = metrics
         self.host = host
         self.requested_port = port
