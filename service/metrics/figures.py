@@ -52,6 +52,8 @@ class StepFigures:
 
     @property
     def fill_ratio(self) -> float:
+        """real tokens / (world_size x microbatches_per_rank x token_budget): the share of
+        the step's microbatch slots, no-op microbatches included, holding real tokens."""
         return share(self.record.real_tokens, self.microbatches * self.token_budget)
 
     @property
@@ -104,7 +106,8 @@ def price_tokens(
     """The price of one step from its token counts alone (what `price_step` and the demo's
     summary use): decode on the policy tokens generated (`generated_policy_tokens`, default
     `policy_tokens`), training and log-prob passes on `computed_positions`, padding avoided
-    against `padded_positions`."""
+    against `padded_positions` (the padded alternative's padding GPU time minus the
+    plan's). In GPU-seconds, the base unit; stale rollouts are not priced."""
     from rlfeed.sched.models import GPUS, MODELS
     from rlfeed.sched.throughput import step_cost_from_tokens
 
