@@ -24,7 +24,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Sampled groups the fleet keeps in flight ahead of the trainers, in steps.
 STEPS_AHEAD = 2
@@ -71,28 +73,15 @@ def run_demo(
     """Start what is missing, train `steps` steps, print the summary; 0 on success.
     `metrics_port` (embedded sidecar only) overrides `[server] metrics_port`."""
     import torch
-    from rlfeed.client.producer import RolloutWriter
-    from rlfeed.client.transport import GrpcTransport
-    from rlfeed.service.demo.fleet import FleetConfig, FleetStats, SyntheticTasks, run_fleet
-    from rlfeed.service.demo.trainer import TinyCausalLM, TinyModelConfig, sequence_log_probs
 
     torch.set_num_threads(1)
     started = time.monotonic()
     config = _load_config(config_path, metrics_port)
     sidecar = exporter = None
     if address is None:
-        from rlfeed.service.frontend.server import start_server
-        from rlfeed.service.metrics.exporter import SidecarExporter
-
-        print("starting the sidecar on an embedded local Ray ...", flush=True)
-        if config.server.metrics_port:
-            exporter = SidecarExporter(config)
-        sidecar = start_server(config, events=exporter.events if exporter else None)
+        sidecar, exporter = _start_embedded_sidecar(config)
         address = sidecar.address
-    trainers: list[subprocess.Popen] = []
-    stop_fleet = threading.Event()
-    fleet_thread = None
-    transport = None
+    running = _Running()
     workdir = tempfile.TemporaryDirectory(prefix="rlfeed-demo-")
     try:
         if exporter is not None:
@@ -105,88 +94,18 @@ def run_demo(
                 f"metrics: {exporter.url}/metrics, layout picture: {exporter.url}/layout.png",
                 flush=True,
             )
-        transport = GrpcTransport(address)
-        status = transport.status()
-        world_size, start_step = int(status.world_size), int(status.next_step)
-        print(
-            f"sidecar {address}: world_size {world_size}, {status.prompts_per_step} prompts x "
-            f"{status.group_size} rollouts per step, token budget {status.token_budget:,}",
-            flush=True,
-        )
-        fleet_config = FleetConfig(
-            group_size=int(status.group_size),
-            tasks_per_request=int(status.prompts_per_step),
-            max_tokens=min(2048, int(status.token_budget)),
+        return _train(
+            running,
+            address,
+            steps=steps,
             seed=seed,
+            workdir=Path(workdir.name),
+            sidecar=sidecar,
+            config=config,
+            started=started,
         )
-        tasks = SyntheticTasks(fleet_config)
-        sampler = TinyCausalLM(TinyModelConfig(vocab_size=fleet_config.vocab_size, seed=seed))
-        writer = RolloutWriter(transport, max_batch_rollouts=int(status.group_size) * 4)
-        writer.register_tasks(tasks.task_ids)
-        summary_path = Path(workdir.name) / "steps.jsonl"
-        trainers = _start_trainers(address, world_size, steps, start_step, seed, summary_path)
-
-        fleet_stats = FleetStats()
-        fleet_failed = threading.Event()
-        progress = {"version": start_step}
-
-        def ready() -> bool:
-            now = transport.status()
-            progress["version"] = _trained_steps(now, world_size, start_step)
-            coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
-            queued = now.next_step - progress["version"]
-            # Nothing for steps nobody trains: a round adds at most one step's groups, so
-            # the sidecar assembles exactly start_step + steps steps.
-            needed = now.next_step + coming < start_step + steps
-            return needed and queued + coming < STEPS_AHEAD
-
-        def fleet() -> None:
-            try:
-                run_fleet(
-                    writer,
-                    tasks,
-                    stop=stop_fleet,
-                    policy_version=lambda: progress["version"],
-                    score=lambda ids: sequence_log_probs(sampler, ids),
-                    ready=ready,
-                    stats=fleet_stats,
-                )
-            except Exception as exc:  # reported, and the run stops: trainers would starve
-                print(f"fleet stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                fleet_failed.set()
-
-        fleet_thread = threading.Thread(target=fleet, name="rlfeed-demo-fleet", daemon=True)
-        fleet_thread.start()
-        failed = _wait_for(trainers, abort=fleet_failed)
-        stop_fleet.set()
-        fleet_thread.join()
-        writer.close()
-        if fleet_failed.is_set():
-            print("rlfeed demo: the synthetic fleet failed", file=sys.stderr)
-            return 1
-        if failed:
-            print(f"rlfeed demo: trainer rank(s) {failed} failed", file=sys.stderr)
-            return 1
-        figures = [json.loads(line) for line in summary_path.read_text().splitlines()]
-        records = {}
-        if sidecar is not None:
-            import ray
-
-            records = {r.step: r for r in ray.get(sidecar.actor.step_records.remote(start_step))}
-        _print_summary(
-            figures, records, fleet_stats, transport.status(), config, time.monotonic() - started
-        )
-        return 0 if len(figures) == steps else 1
     finally:
-        stop_fleet.set()
-        for process in trainers:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        if fleet_thread is not None:
-            fleet_thread.join(timeout=10)
-        if transport is not None:
-            transport.close()
+        running.stop()
         try:
             if exporter is not None:
                 exporter.stop()
@@ -194,6 +113,136 @@ def run_demo(
             if sidecar is not None:
                 sidecar.stop(grace=1.0)
             workdir.cleanup()
+
+
+def _start_embedded_sidecar(config):
+    """(sidecar, exporter or None) on an embedded local Ray; the exporter not yet bound."""
+    from rlfeed.service.frontend.server import start_server
+    from rlfeed.service.metrics.exporter import SidecarExporter
+
+    print("starting the sidecar on an embedded local Ray ...", flush=True)
+    exporter = SidecarExporter(config) if config.server.metrics_port else None
+    sidecar = start_server(config, events=exporter.events if exporter else None)
+    return sidecar, exporter
+
+
+@dataclass
+class _Running:
+    """What the demo started beside the sidecar, stopped on every path by `stop`."""
+
+    stop_fleet: threading.Event = field(default_factory=threading.Event)
+    trainers: list[subprocess.Popen] = field(default_factory=list)
+    fleet_thread: threading.Thread | None = None
+    transport: Any = None
+
+    def stop(self) -> None:
+        self.stop_fleet.set()
+        for process in self.trainers:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        if self.fleet_thread is not None:
+            self.fleet_thread.join(timeout=10)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _train(
+    running: _Running, address: str, *, steps, seed, workdir: Path, sidecar, config, started
+) -> int:
+    """Fleet and trainers against the sidecar at `address` until `steps` steps are trained,
+    then the summary; the exit status (a failure's reason on stderr)."""
+    from rlfeed.client.transport import GrpcTransport
+
+    running.transport = transport = GrpcTransport(address)
+    status = transport.status()
+    world_size, start_step = int(status.world_size), int(status.next_step)
+    print(
+        f"sidecar {address}: world_size {world_size}, {status.prompts_per_step} prompts x "
+        f"{status.group_size} rollouts per step, token budget {status.token_budget:,}",
+        flush=True,
+    )
+    fleet = _DemoFleet(transport, status, seed=seed, end_step=start_step + steps)
+    summary_path = workdir / "steps.jsonl"
+    running.trainers = _start_trainers(address, world_size, steps, start_step, seed, summary_path)
+    running.fleet_thread = threading.Thread(
+        target=fleet.run, args=(running.stop_fleet,), name="rlfeed-demo-fleet", daemon=True
+    )
+    running.fleet_thread.start()
+    failed = _wait_for(running.trainers, abort=fleet.failed)
+    running.stop_fleet.set()
+    running.fleet_thread.join()
+    fleet.writer.close()
+    if fleet.failed.is_set():
+        print("rlfeed demo: the synthetic fleet failed", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"rlfeed demo: trainer rank(s) {failed} failed", file=sys.stderr)
+        return 1
+    figures = [json.loads(line) for line in summary_path.read_text().splitlines()]
+    records = {}
+    if sidecar is not None:
+        import ray
+
+        records = {r.step: r for r in ray.get(sidecar.actor.step_records.remote(start_step))}
+    seconds = time.monotonic() - started
+    _print_summary(figures, records, fleet.stats, transport.status(), config, seconds)
+    return 0 if len(figures) == steps else 1
+
+
+class _DemoFleet:
+    """The synthetic fleet, run on a thread: it samples tasks and submits their groups with
+    a `RolloutWriter`, at most STEPS_AHEAD steps ahead of the trainers."""
+
+    def __init__(self, transport, status, *, seed: int, end_step: int) -> None:
+        from rlfeed.client.producer import RolloutWriter
+        from rlfeed.service.demo.fleet import FleetConfig, FleetStats, SyntheticTasks
+        from rlfeed.service.demo.trainer import TinyCausalLM, TinyModelConfig
+
+        config = FleetConfig(
+            group_size=int(status.group_size),
+            tasks_per_request=int(status.prompts_per_step),
+            max_tokens=min(2048, int(status.token_budget)),
+            seed=seed,
+        )
+        self.transport = transport
+        self.world_size = int(status.world_size)
+        self.start_step, self.end_step = int(status.next_step), end_step
+        self.version = self.start_step  # the policy version the fleet samples with
+        self.tasks = SyntheticTasks(config)
+        self.sampler = TinyCausalLM(TinyModelConfig(vocab_size=config.vocab_size, seed=seed))
+        self.writer = RolloutWriter(transport, max_batch_rollouts=int(status.group_size) * 4)
+        self.writer.register_tasks(self.tasks.task_ids)
+        self.stats = FleetStats()
+        self.failed = threading.Event()
+
+    def ready(self) -> bool:
+        now = self.transport.status()
+        self.version = _trained_steps(now, self.world_size, self.start_step)
+        coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
+        queued = now.next_step - self.version
+        # Nothing for steps nobody trains: a round adds at most one step's groups, so
+        # the sidecar assembles exactly start_step + steps steps.
+        needed = now.next_step + coming < self.end_step
+        return needed and queued + coming < STEPS_AHEAD
+
+    def run(self, stop: threading.Event) -> None:
+        from rlfeed.service.demo.fleet import run_fleet
+        from rlfeed.service.demo.trainer import sequence_log_probs
+
+        try:
+            run_fleet(
+                self.writer,
+                self.tasks,
+                stop=stop,
+                policy_version=lambda: self.version,
+                score=lambda ids: sequence_log_probs(self.sampler, ids),
+                ready=self.ready,
+                stats=self.stats,
+            )
+        except Exception as exc:  # reported, and the run stops: trainers would starve
+            print(f"fleet stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self.failed.set()
 
 
 def _trained_steps(status, world_size: int, start_step: int) -> int:
