@@ -1,16 +1,10 @@
 """The client's one conversion point between wire messages and arrays/tensors.
 
-Producer side: rollouts -> `RolloutBatch.arrow_ipc` (one Arrow IPC stream, the columns the
-`.proto` documents). Trainer side: a served `GetBatchResponse` -> `MicrobatchTensors`,
-torch tensors that alias the Arrow buffers, every column as served: int32 input ids,
-position ids and target ids, uint8 mask, float32 log-probs and advantages. Hugging Face
-models, `nn.Embedding` and `checkpointed_log_probs` take int32 ids and positions (rotary
-embeddings cast positions to float, packed-sequence detection only compares them), so no
-column is widened: a copy per microbatch would cost the trainer memory traffic for nothing
-(`torch.gather` wants `target_ids.long()`, a copy the caller makes where needed).
-
-Zero-copy tensors share memory with the received message bytes, so they are read-only in
-spirit: write into a `.clone()`, not into them.
+Producer side: rollouts -> `RolloutBatch.arrow_ipc`. Trainer side: a served
+`GetBatchResponse` -> `MicrobatchTensors`, torch tensors that alias the received bytes, every
+column as served (int32 ids and positions, uint8 mask, float32 log-probs and advantages):
+widening would cost memory traffic per microbatch for nothing. The tensors are read-only in
+spirit: write into a `.clone()`.
 """
 
 from __future__ import annotations

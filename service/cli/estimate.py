@@ -3,15 +3,10 @@
     rlfeed estimate                                   # Qwen3-8B on an H200, batch 64, 2k
     rlfeed estimate --model qwen3-32b --gpu h100 --context 16384 --json
     rlfeed estimate --steps 300                       # + the default episode shape's step
-    rlfeed estimate --layers 36 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \\
-        --intermediate 12288 --vocab 151936 --bandwidth 4.8 --flops 989
 
-Prints kv_bytes_per_token, params, decode_tokens_per_s and train_tokens_per_s. Any
-episode-shape flag (--prompts, --group-size, --prompt-tokens, --policy-tokens,
---tool-tokens, --busy-fraction, --logprob-passes, --steps) adds the GPU-hours of one step,
-split into decode, training and log-prob passes (and the run total with --steps); shape
-fields not given take `EpisodeShape`'s defaults, including its 16,384-token decode context
-unless --context is given. Bad input exits 2 with the flag and the valid choices on stderr.
+Prints bytes of KV cache per token, parameters, decode and training tokens/s. Any
+episode-shape flag adds one step's GPU-hours by phase (missing fields: `EpisodeShape`'s
+defaults). Bad input exits 2 naming the flag and the valid choices.
 """
 
 from __future__ import annotations

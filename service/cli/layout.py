@@ -5,22 +5,9 @@
     rlfeed layout --example -o example.png             # no server: a demo-fleet step
     rlfeed layout --lengths lengths.txt --budget 65536 --world-size 8 -o plan.png
 
-The padded layout (one row per rollout, padded to the longest) beside the packed one (one
-row per microbatch, rank by rank) at the same scale, so area is compute; policy tokens
-blue, prompt/tool tokens aqua, padding grey, sequence boundaries as dark ticks.
-
-From a sidecar (`--address`, default 127.0.0.1:50051) it fetches the step's microbatches
-with GetBatch for every rank, exactly as the trainers do. A fetch counts as that rank's
-fetch of the step, so by default it only draws steps every rank has already fetched
-(`--force` draws a waiting step anyway). Steps are held for `retained_steps` after every
-rank fetched them; an older one answers "released".
-
-Offline (`--lengths FILE` or `--example`) it plans the step itself with `rlfeed.sched`:
-FILE holds one length per line (`#` comments), or JSON: a list of lengths, or
-{"lengths": [...], "action_masks": [[0, 1, ...], ...]} to show policy tokens. `--example`
-is one step of `rlfeed demo`'s synthetic fleet (64 agent episodes, with policy masks).
-Needs matplotlib (`pip install 'rlfeed[plot]'`). Exit status 2 on bad input, 1 when the
-sidecar cannot give the step.
+From a sidecar it fetches the step with GetBatch for every rank, as trainers do (so by
+default only steps every rank fetched; `--force` draws a waiting one). Needs matplotlib.
+Exit status 2 on bad input, 1 when the sidecar cannot give the step.
 """
 
 from __future__ import annotations

@@ -4,20 +4,9 @@
     rlfeed plan --lengths lengths.txt --world-size 8
     rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
 
-FILE holds one length (in tokens) per line; blank lines and `#` comments are ignored, and a
-bad line is reported with its line number. The plan is exactly what a step's assembly does
-(`rlfeed.sched.planning.plan_microbatches`):
-microbatches of at most --budget computed positions (default 131,072), then dealt out to
---world-size ranks (default 1), the same number to each; for the packed cost model the
-sequences are first spread evenly over a multiple of K microbatches (--no-spread: keep the
-plain FFD bins and split some of them instead). --json prints one JSON object:
-`microbatches` (0-based sequence indices), `ranks` (microbatch indices per rank, in slot
-order), `num_microbatches` (after balancing, including splits and empty no-op microbatches),
-`num_budget_microbatches` (before balancing), `lower_bound` (ceil(tokens / budget)),
-`padding_share`, `fill` (real tokens / (num_microbatches x budget)),
-`largest_microbatch_tokens` (computed positions of the largest microbatch),
-`rank_imbalance`, `lockstep_efficiency`, `plan_seconds` and the inputs. Errors exit 2 with
-a message on stderr.
+FILE holds one length per line (`#` comments allowed). The plan is exactly a step's
+(`sched.planning.plan_microbatches`); --json prints the microbatches, the ranks' slots and
+the figures (padding share, fill, lower bound, rank imbalance, ...). Errors exit 2.
 """
 
 from __future__ import annotations

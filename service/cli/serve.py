@@ -3,29 +3,10 @@
     rlfeed serve                                  # defaults, embedded local Ray, port 50051
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
-    rlfeed serve --ray-address 10.0.0.5:6379      # join a cluster by its head's address
-    rlfeed serve --metrics-port 9400              # Prometheus /metrics on 127.0.0.1:9400
-    rlfeed serve --replicas 4                     # 4 front-end processes on one port
+    rlfeed serve --metrics-port 9400 --replicas 4 # metrics; 4 front-ends on one port
 
-Prints the resolved configuration (TOML) and then one line `rlfeed serve: listening on
-HOST:PORT` (with --port 0 the port picked). With a metrics port (`--metrics-port`, else
-`[server] metrics_port`; 0, the default, means none) it also serves Prometheus metrics,
-the newest step's layout picture and a health check on `[server] metrics_host` (127.0.0.1
-unless configured, whatever `host` gRPC binds) and prints `rlfeed serve: metrics on
-http://HOST:PORT/metrics`. SIGTERM or Ctrl-C stops it within seconds: the metrics endpoint
-closes, health goes NOT_SERVING, in-flight calls get a short grace period, the scheduler
-actor is killed and an embedded Ray is shut down (a joined cluster keeps running). Joining
-a cluster with token authentication (Ray 2.59+) needs its token, as for any Ray driver:
-RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment. A bad config exits 2 with the key and
-section; a port in use exits 1.
-
-With `--replicas N` (`[server] replicas`) this process starts N-1 more front-ends,
-`rlfeed serve --join` processes on the same port and scheduler actor (see
-`rlfeed.service.replicas.processes`), waits for them before printing the listening line, and stops
-them when it stops. A replica told to stop (SIGTERM) hands its data over and leaves (exit
-0; the sidecar runs on); if one exits otherwise, the whole sidecar stops (exit 1): the
-front-ends hold each other's data. `--join` is that replica mode, for `--replicas` to
-start: it needs `--ray-address` and leaves the actor running when it stops.
+Prints the resolved config, then `rlfeed serve: listening on HOST:PORT`. SIGTERM or Ctrl-C
+stops it within seconds. Exit 2 for a bad config, 1 when it cannot start or a replica dies.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """What `rlfeed demo` runs: sidecar (unless given an address), fleet thread, trainer processes.
 
-The fleet runs in this process (a thread) and stays at most two steps ahead of the trainers;
-the two trainer ranks are separate processes (`python -m rlfeed.service.demo.trainer`) with
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set as torchrun would set them. Rank 0 prints
-one line per step and appends its figures to a JSON-lines file, which the summary reads.
-The fleet stops producing once the groups of the last step to train are in, so the sidecar
-assembles exactly the steps trained (the summary and the metrics then count the same steps).
-Every started thing is stopped on every path (`try/finally`).
-
-The summary prices each trained step with `metrics.figures.price_tokens` under the config's
-`[accounting]`, the function and assumptions the metrics use: from the sidecar's own step
-records when the demo runs it (embedded), else from rank 0's figures (a running sidecar:
-positions computed = tokens, which is what the demo trainer's varlen attention computes).
+The fleet runs here on a thread, at most STEPS_AHEAD steps ahead of the trainers, and stops
+once the last trained step's groups are in, so the sidecar assembles exactly the steps
+trained; the ranks are `python -m rlfeed.service.demo.trainer` processes with torchrun's
+variables. The summary prices each step with `metrics.figures.price_tokens` under
+`[accounting]`, as the metrics do. Everything started is stopped on every path.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """A trainer rank for `rlfeed demo`: a tiny causal transformer trained with GRPO on served steps.
 
-Run one process per rank with torchrun's variables set (the demo does this itself):
-
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m rlfeed.service.demo.trainer --address 127.0.0.1:50051 --steps 4
 
-Each rank pulls its microbatches with `BatchLoader`, scores each packed row with the model
-(restarted position ids; attention confined to each sequence by `cu_seqlens`, as a varlen
-kernel does), computes per-token log-probs with `checkpointed_log_probs` and the clipped
-GRPO loss with `policy_loss(mode="constant")`. The fleet samples with the initial weights,
-so the step-0 ratio outlier share checks packing (it must be 0), and later steps' shares
-measure how far the policy has moved from the sampler.
-
-Normalization across ranks: every rank divides its token-loss sum by
-`rank_norm_const(N, world_size) = N / world_size`, where N is the step's served global
-policy-token count, and the gradients are all-reduced as sum / world_size (what DDP does).
-The result is grad(sum over every policy token of the step / N): the exact step mean,
-whatever the microbatch split and rank count.
+Each rank pulls microbatches with `BatchLoader`, scores packed rows with varlen attention,
+and divides its loss sum by N / world_size (N: the step's global policy-token count) before
+a sum / world_size all-reduce: the exact step mean, whatever the split. The step-0 ratio
+outlier share checks packing (it must be 0).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Server-side wire <-> array conversion: the one place Arrow and protobuf meet numpy.
 
-Ingest: `RolloutBatch.arrow_ipc` (the Arrow IPC stream documented in `proto/rlfeed.proto`)
--> `RolloutBatchArrays`: per-rollout metadata arrays plus flat per-token columns. The flat
-columns alias the Arrow buffers (zero-copy) when the producer sent the documented dtypes;
-other integer/float widths are cast once, safely (an overflowing cast is an error).
-
-Serving: `sched.assembly.Microbatch` -> `rlfeed.v1.Microbatch` (one Arrow IPC stream per
-microbatch; `service/materialize.py` assembles a rank's microbatches into the serialized
-`GetBatchResponse` bytes that are served as-is). Status: the scheduler's snapshot and step
-records -> `StatusResponse` / `StepStats`.
-
-Contract checks that need more than decoding (lengths per rollout, NaN, ranges, ...) live
-in `rlfeed.service.frontend.validation`.
+Ingest: `RolloutBatch.arrow_ipc` -> `RolloutBatchArrays` (flat per-token columns that alias
+the Arrow buffers when the producer sent the documented dtypes; other widths are cast once,
+safely). Serving: a materialized microbatch -> its `Microbatch` wire bytes, joined into a
+rank's `GetBatchResponse`. Status: the scheduler's snapshot -> `StatusResponse`. Checks
+beyond decoding are in `frontend.validation`.
 """
 
 from __future__ import annotations

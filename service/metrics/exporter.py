@@ -1,22 +1,12 @@
-"""The gRPC front-end's hooks wired to the Prometheus metrics, and the exporter of a sidecar.
+"""The gRPC front-end's hooks wired to the Prometheus metrics, and a sidecar's exporter.
 
-`MetricsEvents` is the `ServerEvents` that forwards every hook to `SidecarMetrics` (pure
-translation: record fields in, metric updates out). `SidecarExporter` is what `rlfeed serve`
-and `rlfeed demo` run: the metrics, those hooks, a refresh that pulls the scheduler actor's
-levels (buffer, filter sizes, every task's pass-rate estimate) before a scrape, and the HTTP
-endpoint on `[server] metrics_host`:`metrics_port`:
+`MetricsEvents` is the `ServerEvents` that forwards each hook to `SidecarMetrics` (record
+fields in, metric updates out; it runs on the handler threads and only updates memory).
+`SidecarExporter` is what `rlfeed serve` and `rlfeed demo` run: the metrics, those hooks, a
+refresh that pulls the actor's levels before a scrape, and the HTTP endpoint. Order:
 
-    exporter = SidecarExporter(config)
-    sidecar = start_server(config, events=exporter.events)
-    try:
-        exporter.start(sidecar.actor)   # serves /metrics, /layout.png, /healthz
-        ...
-    finally:
-        exporter.stop()                 # before the actor goes away
-        sidecar.stop()
-
-Nothing here starts at import; the hooks run on the gRPC handler threads and only update
-in-memory metrics (the layout picture is rendered when someone asks for /layout.png).
+    exporter = SidecarExporter(config); sidecar = start_server(config, events=exporter.events)
+    exporter.start(sidecar.actor) ... exporter.stop() before sidecar.stop()
 """
 
 from __future__ import annotations
