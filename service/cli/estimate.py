@@ -3,15 +3,10 @@
     rlfeed estimate                                   # Qwen3-8B on an H200, batch 64, 2k
     rlfeed estimate --model qwen3-32b --gpu h100 --context 16384 --json
     rlfeed estimate --steps 300                       # + the default episode shape's step
-    rlfeed estimate --layers 36 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \\
-        --intermediate 12288 --vocab 151936 --bandwidth 4.8 --flops 989
 
-Prints kv_bytes_per_token, params, decode_tokens_per_s and train_tokens_per_s. Any
-episode-shape flag (--prompts, --group-size, --prompt-tokens, --policy-tokens,
---tool-tokens, --busy-fraction, --logprob-passes, --steps) adds the GPU-hours of one step,
-split into decode, training and log-prob passes (and the run total with --steps); shape
-fields not given take `EpisodeShape`'s defaults, including its 16,384-token decode context
-unless --context is given. Bad input exits 2 with the flag and the valid choices on stderr.
+Prints bytes of KV cache per token, parameters, decode and training tokens/s. Any
+episode-shape flag adds one step's GPU-hours by phase (missing fields: `EpisodeShape`'s
+defaults). Bad input exits 2 naming the flag and the valid choices.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import json
 import sys
 
 from rlfeed.service.cli.argtypes import (
+    UsageError,
     fraction,
     non_negative_int,
     positive_float,
@@ -53,10 +49,6 @@ _SHAPE_FLAGS: dict[str, str] = {
     "busy_fraction": "busy_fraction",
     "logprob_passes": "logprob_forward_passes",
 }
-
-
-class _UsageError(Exception):
-    """Bad flags: reported on stderr, exit status 2 (argparse's convention)."""
 
 
 def _flag(dest: str) -> str:
@@ -112,25 +104,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _preset_unless_custom(args, option: str, presets: dict, default: str, given, what: str):
+    """The preset `--option` names (else `default`) when no custom flag is `given`; None when
+    some are (the caller builds the custom one). A usage error for both, or a bad name."""
+    name = getattr(args, option)
+    if name is not None and given:
+        flags = ", ".join(_flag(dest) for dest in given)
+        raise UsageError(f"argument --{option}: not allowed with {what.format(flags)}")
+    if given:
+        return None
+    name = name or default
+    if name not in presets:
+        raise UsageError(
+            f"argument --{option}: invalid choice {name!r} (choose from {', '.join(presets)})"
+        )
+    return presets[name]
+
+
 def _resolve_arch(args: argparse.Namespace):
     from rlfeed.sched.models import MODELS, ModelArch
 
     given = [dest for dest in _ARCH_FLAGS if getattr(args, dest) is not None]
     if args.tied_embeddings:
         given.append("tied_embeddings")
-    if args.model is not None and given:
-        flags = ", ".join(_flag(dest) for dest in given)
-        raise _UsageError(f"argument --model: not allowed with architecture flags ({flags})")
-    if not given:
-        name = args.model or DEFAULT_MODEL
-        if name not in MODELS:
-            raise _UsageError(
-                f"argument --model: invalid choice {name!r} (choose from {', '.join(MODELS)})"
-            )
-        return MODELS[name]
+    preset = _preset_unless_custom(
+        args, "model", MODELS, DEFAULT_MODEL, given, "architecture flags ({})"
+    )
+    if preset is not None:
+        return preset
     missing = [_flag(dest) for dest in _ARCH_FLAGS if getattr(args, dest) is None]
     if missing:
-        raise _UsageError(
+        raise UsageError(
             f"a custom architecture needs every architecture flag; missing: {', '.join(missing)}"
         )
     fields = {field: getattr(args, dest) for dest, field in _ARCH_FLAGS.items()}
@@ -141,19 +145,12 @@ def _resolve_gpu(args: argparse.Namespace):
     from rlfeed.sched.models import GPUS, GpuSpec
 
     given = [d for d in ("bandwidth", "flops", "memory") if getattr(args, d) is not None]
-    if args.gpu is not None and given:
-        flags = ", ".join(_flag(dest) for dest in given)
-        raise _UsageError(f"argument --gpu: not allowed with {flags}")
-    if not given:
-        name = args.gpu or DEFAULT_GPU
-        if name not in GPUS:
-            raise _UsageError(
-                f"argument --gpu: invalid choice {name!r} (choose from {', '.join(GPUS)})"
-            )
-        return GPUS[name]
+    preset = _preset_unless_custom(args, "gpu", GPUS, DEFAULT_GPU, given, "{}")
+    if preset is not None:
+        return preset
     missing = [_flag(d) for d in ("bandwidth", "flops") if getattr(args, d) is None]
     if missing:
-        raise _UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
+        raise UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
     return GpuSpec(
         name="custom",
         memory_bandwidth_bytes_per_s=args.bandwidth * 1e12,
@@ -269,7 +266,7 @@ def _print_text(r: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         result = _estimate(args)
-    except (_UsageError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:
         print(f"rlfeed estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
