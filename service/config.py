@@ -20,6 +20,7 @@ from typing import Any
 from rlfeed.client.allocator import MAX_RETAINED_BYTES
 from rlfeed.sched.models import GPUS, MODELS
 from rlfeed.sched.throughput import EpisodeShape
+from rlfeed.service.security.config import SecurityConfig
 
 try:
     import tomllib
@@ -318,6 +319,7 @@ class SidecarConfig:
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def step_config(self):
         """The sched.assembly.StepConfig this run assembles steps with."""
@@ -374,6 +376,7 @@ _SECTIONS: dict[str, type] = {
     "advantages": AdvantagesConfig,
     "curriculum": CurriculumSection,
     "accounting": AccountingConfig,
+    "security": SecurityConfig,
 }
 
 

@@ -2,7 +2,8 @@
 
 `start_server(config)` brings up (or joins) Ray and the scheduler actor, the front-end's
 parts (`FrontendState`, `StepAssembler`, `RolloutIngest`, `BatchServing`, `PeerQueries`)
-and a threaded `grpc.server` with the four rlfeed.v1 services, health and reflection.
+and a threaded `grpc.server` with the four rlfeed.v1 services, health and (if allowed)
+reflection, behind `[security]` (TLS, mTLS, role tokens: `service/security/README.md`).
 `SidecarServer.stop()` is the one teardown. How the parts cooperate: `README.md` here.
 """
 
@@ -30,6 +31,8 @@ from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.replicas.handover import PeerQueries, hand_over
 from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor
+from rlfeed.service.security.interceptor import peer_interceptor
+from rlfeed.service.security.server_security import ServerSecurity
 
 _log = logging.getLogger("rlfeed.service.frontend.server")
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
@@ -166,11 +169,17 @@ def _peer_host(host: str) -> str:
     return host
 
 
-def _grpc_server(config: SidecarConfig, name: str, *options: tuple[str, int]) -> grpc.Server:
+def _grpc_server(
+    config: SidecarConfig,
+    name: str,
+    interceptors: list[grpc.ServerInterceptor],
+    *options: tuple[str, int],
+) -> grpc.Server:
     """A threaded gRPC server with the sidecar's message size limit both ways."""
     limit = config.server.max_message_bytes
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix=name),
+        interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
@@ -180,12 +189,15 @@ def _grpc_server(config: SidecarConfig, name: str, *options: tuple[str, int]) ->
 
 
 def _start_peer_server(
-    config: SidecarConfig, queries: PeerQueries, serving: BatchServing
+    config: SidecarConfig, queries: PeerQueries, serving: BatchServing, peer_token: str
 ) -> tuple[grpc.Server, str]:
     """The server the other front-ends reach this one at, on a port of its own (the public
     port never serves the peer service): the peer service and BatchServing (forwarded
     fetches). Returns it started, with its address."""
-    peer_server = _grpc_server(config, "rlfeed-peer")
+    # Only this sidecar's front-ends get in: they present the secret the actor shares with
+    # them. The port is plaintext (a replica on another node joins over the node network;
+    # run Ray and the sidecar on a private network, or put mTLS on it: see security/README).
+    peer_server = _grpc_server(config, "rlfeed-peer", [peer_interceptor(peer_token)])
     peer_server.add_generic_rpc_handlers(
         (
             peer_handler(queries.columns_of, queries.response_of, queries.stored_by),
@@ -228,13 +240,18 @@ def start_server(
             actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
         else:
             actor = create_scheduler_actor(config)
+        security = ServerSecurity.from_config(config.security)  # checks its files first
         frontend = FrontendState(config, actor, events, announce=replicated)
         assembler = StepAssembler(frontend)
         ingest, serving = RolloutIngest(frontend, assembler), BatchServing(frontend)
         queries = PeerQueries(frontend)
-        peer_server, peer_address = _start_peer_server(config, queries, serving)
+        peer_server, peer_address = _start_peer_server(
+            config, queries, serving, frontend.peer_token
+        )
         # A busy port is an error, not a shared socket, unless replicas share it.
-        server = _grpc_server(config, "rlfeed-grpc", ("grpc.so_reuseport", int(replicated)))
+        server = _grpc_server(
+            config, "rlfeed-grpc", security.interceptors, ("grpc.so_reuseport", int(replicated))
+        )
         pb_grpc.add_TaskSamplingServicer_to_server(ingest, server)
         pb_grpc.add_SidecarStatusServicer_to_server(serving, server)
         server.add_generic_rpc_handlers(
@@ -242,18 +259,20 @@ def start_server(
         )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        if config.security.allow_reflection:
+            reflection.enable_server_reflection(
+                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
         target = f"{config.server.host}:{config.server.port}"
         try:
-            port = server.add_insecure_port(target)
+            port = security.bind(server, target)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"cannot listen on {target} (port in use?)")
         frontend.scheduler.register(peer_address)
         server.start()
+        _log.info("rlfeed: %s serves %s", target, security.describe())
         assembler.start()
         for name in ("", *SERVICE_NAMES):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -132,8 +132,12 @@ class FrontendState:
         self.actor = actor
         self.scheduler = SchedulerClient(actor, self.id)
         self.events = GuardedEvents(events if events is not None else ServerEvents())
+        self.peer_token = self.scheduler.peer_token()
         self.peers = PeerClient(
-            self.id, self.scheduler.frontend_addresses, config.server.max_message_bytes
+            self.id,
+            self.scheduler.frontend_addresses,
+            config.server.max_message_bytes,
+            peer_token=self.peer_token,
         )
         self.payloads = LocalPayloads()
         self.responses = ResponseCache(RESPONSE_CACHE_BYTES)

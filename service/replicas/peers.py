@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pyarrow as pa
+from rlfeed.client.auth import ChannelSecurity, open_channel
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import TokenColumns
 
@@ -117,9 +118,15 @@ class PeerClient:
     `_PEERS_REFRESH_SECONDS`; one channel per peer, kept."""
 
     def __init__(
-        self, own_id: str, addresses: Callable[[], dict[str, str]], max_message_bytes: int
+        self,
+        own_id: str,
+        addresses: Callable[[], dict[str, str]],
+        max_message_bytes: int,
+        *,
+        peer_token: str = "",
     ) -> None:
         self._own_id = own_id
+        self._security = ChannelSecurity(token=peer_token)
         self._addresses = addresses
         self._known: dict[str, str] = {}
         self._known_at = float("-inf")
@@ -152,7 +159,7 @@ class PeerClient:
         address = self._peers().get(frontend_id) or self._peers(refresh=True).get(frontend_id)
         if address is None:
             raise RuntimeError(f"front-end {frontend_id} is not registered with the scheduler")
-        channel = grpc.insecure_channel(address, options=self._options)
+        channel = open_channel(address, self._security, self._options)
         with self._lock:
             kept = self._channels.setdefault(frontend_id, channel)
         if kept is not channel:

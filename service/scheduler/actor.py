@@ -10,6 +10,7 @@ as Ray-wrapped exceptions.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,9 +56,15 @@ class SchedulerActor:
         self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
         self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
         self._sidecar_stopping = False  # see stop_sidecar
+        # The front-ends' secret for their peer ports: shared through Ray (whoever can call
+        # this actor is inside the Ray cluster already), never through config or files.
+        self._peer_token = secrets.token_urlsafe(32)
 
     def ping(self) -> bool:
         return True
+
+    def peer_token(self) -> str:
+        return self._peer_token
 
     def register_frontend(self, frontend_id: str, peer_address: str) -> None:
         """A front-end joined: other front-ends reach the ingest batches and responses it

@@ -116,6 +116,10 @@ class SchedulerClient:
     def unregister(self, timeout_s: float) -> None:
         ray.get(self.actor.unregister_frontend.remote(self.frontend_id), timeout=timeout_s)
 
+    def peer_token(self) -> str:
+        """The secret every front-end of this sidecar presents on the others' peer ports."""
+        return ray.get(self.actor.peer_token.remote())
+
     def frontend_addresses(self) -> dict[str, str]:
         return ray.get(self.actor.frontend_addresses.remote())
 

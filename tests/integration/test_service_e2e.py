@@ -331,7 +331,9 @@ def test_health_reflection_sampling_and_trainer_reports(make_sidecar, client_for
         ProtoReflectionDescriptorDatabase,
     )
 
-    sidecar = make_sidecar(rollouts=GROUPS, curriculum={"seed": 1})
+    sidecar = make_sidecar(
+        rollouts=GROUPS, curriculum={"seed": 1}, security={"allow_reflection": True}
+    )
     client = client_for(sidecar)
     health = health_pb2_grpc.HealthStub(client.channel)
     for service in ("", "rlfeed.v1.BatchServing", "rlfeed.v1.RolloutIngest"):
