@@ -46,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="be another front-end of the sidecar whose Ray cluster --ray-address names",
     )
+    for flag, what in (
+        ("--tls-cert", "PEM certificate chain of the gRPC port: TLS ([security] tls_cert)"),
+        ("--tls-key", "PEM private key of --tls-cert ([security] tls_key)"),
+        ("--tls-client-ca", "CA that clients' certificates must chain to: mutual TLS"),
+        (
+            "--auth-token-file",
+            "'TOKEN ROLE' lines; every call then needs a token (SIGHUP re-reads)",
+        ),
+    ):
+        parser.add_argument(flag, metavar="FILE", help=what)
     parser.add_argument(
         "--print-config",
         choices=("toml", "json"),
@@ -114,9 +124,16 @@ def _resolved_config(args: argparse.Namespace):
         ("metrics_port", args.metrics_port),
         ("replicas", args.replicas),
     )
+    security = {
+        name: getattr(args, name)
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+        if getattr(args, name) is not None
+    }
     try:
         config = load_config(args.config)
-        config = with_overrides(config, server={k: v for k, v in flags if v is not None})
+        config = with_overrides(
+            config, server={k: v for k, v in flags if v is not None}, security=security
+        )
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
     if args.join and args.ray_address is None:
@@ -174,6 +191,7 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
             except RuntimeError as exc:
                 raise _fail(1, exc) from None
         _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
+        _install_token_reload(sidecar, replicas)
         if exporter is not None:
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
@@ -190,6 +208,21 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
                 exporter.stop()
         finally:
             sidecar.stop(grace=2.0)
+
+
+def _install_token_reload(sidecar, replicas) -> None:
+    """SIGHUP re-reads the token file here and in every replica (rotation, no restart)."""
+    tokens = sidecar.security.tokens
+    if tokens is None or not hasattr(signal, "SIGHUP"):
+        return
+
+    def reload(signum, frame) -> None:
+        tokens.reload()
+        for process in replicas.processes if replicas is not None else ():
+            if process.poll() is None:
+                process.send_signal(signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, reload)
 
 
 def _wait_for_stop(stop: threading.Event, replicas) -> int:

@@ -100,9 +100,11 @@ def _text(address: str, health: str, status) -> str:
 def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from rlfeed.client.auth import ChannelSecurity, open_channel
     from rlfeed.proto import rlfeed_pb2, rlfeed_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    # Token and TLS material from RLFEED_TOKEN, RLFEED_TLS_CA, ... (an admin token for status).
+    with open_channel(args.address, ChannelSecurity.resolve()) as channel:
         try:
             check = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=args.timeout

@@ -91,6 +91,7 @@ class SidecarServer:
     frontend: FrontendState
     assembler: StepAssembler
     peer_queries: PeerQueries
+    security: ServerSecurity
     health: health.HealthServicer
     actor: ray.actor.ActorHandle
     started_ray: bool
@@ -293,6 +294,7 @@ def start_server(
         frontend=frontend,
         assembler=assembler,
         peer_queries=queries,
+        security=security,
         health=health_servicer,
         actor=actor,
         started_ray=started_ray,

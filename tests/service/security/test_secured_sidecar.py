@@ -139,7 +139,6 @@ def test_reflection_is_off_unless_allowed(make_sidecar):
     )
 
     sidecar = make_sidecar(rollouts=GROUPS)
-    with grpc.insecure_channel(sidecar.address) as channel:
-        with pytest.raises(grpc.RpcError) as refused:
-            ProtoReflectionDescriptorDatabase(channel).get_services()
+    with grpc.insecure_channel(sidecar.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        ProtoReflectionDescriptorDatabase(channel).get_services()
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
