@@ -28,7 +28,7 @@ Which path when:
     The mask is built in `masking_utils.create_causal_mask`, which derives a block-diagonal
     causal mask from `position_ids` (a new sequence wherever the position does not grow by
     exactly 1, `find_packed_sequence_indices`) **only if `attention_mask is None` and no
-    cache is in use**. Two traps follow, both verified in `tests/test_hf_packed.py`:
+    cache is in use**. Two traps follow, both verified in `tests/client/test_hf_packed.py`:
     (1) any 2-D `attention_mask`, even all ones, switches the detection off and the row
     gets a plain causal mask; (2) `use_cache` defaults to `config.use_cache` (True in the
     Qwen3 and GPT-2 configs; `utils.generic.merge_with_config_defaults` applies it in train

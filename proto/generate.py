@@ -6,7 +6,7 @@ Run: `.venv/bin/python -m rlfeed.proto.generate` (needs grpcio-tools). Writes
 protoc derives import paths from the file's path under its include root, so the .proto is
 copied to `<tmp>/rlfeed/proto/rlfeed.proto` first: the gRPC module then imports
 `from rlfeed.proto import rlfeed_pb2`, which works from any working directory. The output is
-a pure function of the .proto and the grpcio-tools version; `tests/test_proto_generated.py`
+a pure function of the .proto and the grpcio-tools version; `tests/proto/test_proto_generated.py`
 checks that the committed files are up to date.
 """
 

@@ -21,7 +21,7 @@ Two strategies, chosen per microbatch, give identical bytes:
 
 "auto" picks by the mean sequence length (`SLICE_MIN_MEAN_LENGTH`, the measured crossover
 for a 64k-token microbatch gathered and joined: indexed wins below ~400 tokens per
-sequence, slices above ~600). `tests/test_gather.py` checks every form against the
+sequence, slices above ~600). `tests/sched/test_gather.py` checks every form against the
 reference on the concatenated columns.
 """
 
