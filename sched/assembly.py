@@ -35,6 +35,9 @@ class StepConfig:
     """Rank-balancing cost = tokens + attention_weight * sum(L^2): predicted compute. The
     service sets it from the trained model (`rlfeed.sched.compute.model_attention_weight`);
     0 balances tokens."""
+    compute_weight: float | None = None
+    """Weight of sum(L^2) in the step's compute figures (the trained model's, so they are
+    predicted FLOPs whatever the plan was balanced with); None = attention_weight."""
     advantage_mode: AdvantageMode = "mean_std"
     """'mean' baseline, 'mean_std' (GRPO) or 'constant' (Dr. GRPO, divide by advantage_scale)."""
     advantage_scale: float = 1.0
@@ -61,6 +64,8 @@ class StepConfig:
             raise ValueError(
                 f"StepConfig.attention_weight must be >= 0, got {self.attention_weight}"
             )
+        if self.compute_weight is not None and not self.compute_weight >= 0:
+            raise ValueError(f"StepConfig.compute_weight must be >= 0, got {self.compute_weight}")
         if not self.advantage_scale > 0:
             raise ValueError(f"StepConfig.advantage_scale must be > 0, got {self.advantage_scale}")
 
@@ -117,7 +122,7 @@ class StepPlan:
     lockstep_efficiency: float
     """Share of rank-time at work, slot by slot, counted in tokens (positions when padded)."""
     compute_rank_imbalance: float
-    """As rank_imbalance, counted in predicted compute (tokens + attention_weight x L^2)."""
+    """As rank_imbalance, counted in predicted compute (tokens + compute_weight x L^2)."""
     compute_lockstep_efficiency: float
     """As lockstep_efficiency, counted in predicted compute; what GPU time follows."""
 
@@ -167,6 +172,7 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
         cost=config.cost_model,
         method=config.packing_method,
         attention_weight=config.attention_weight,
+        compute_weight=config.compute_weight,
     )
     assignment = plan.assignment
     # Microbatches index into the kept subset; re-express them over the input rollouts.

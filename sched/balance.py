@@ -243,6 +243,8 @@ def _figures(costs: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, float, f
 class BalanceFigures:
     """How evenly an assignment loads its ranks, under one cost."""
 
+    rank_cost: np.ndarray
+    """[world_size] float64 cost per rank."""
     rank_imbalance: float
     """max rank cost / mean rank cost (1.0 = perfect)."""
     lockstep_efficiency: float
@@ -261,8 +263,10 @@ def balance_figures(
         lengths, assignment.microbatches, attention_weight=attention_weight, cost=cost
     )
     table = np.asarray(assignment.ranks, dtype=np.int64).reshape(assignment.world_size, -1)
-    _, imbalance, efficiency = _figures(costs, table)
-    return BalanceFigures(rank_imbalance=imbalance, lockstep_efficiency=efficiency)
+    rank_cost, imbalance, efficiency = _figures(costs, table)
+    return BalanceFigures(
+        rank_cost=rank_cost, rank_imbalance=imbalance, lockstep_efficiency=efficiency
+    )
 
 
 def balance_ranks(

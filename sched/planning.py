@@ -39,9 +39,10 @@ class MicrobatchPlan:
     attention_weight: float
     """The weight the ranks were balanced with; `assignment`'s figures are in this cost."""
     tokens: BalanceFigures
-    """Rank imbalance and lockstep efficiency counted in tokens (positions when padded)."""
+    """Cost per rank, rank imbalance and lockstep efficiency in tokens (positions when
+    padded)."""
     compute: BalanceFigures
-    """The same, counted in predicted compute: tokens + attention_weight x sum(L^2)."""
+    """The same in predicted compute: tokens + compute_weight x sum(L^2)."""
 
 
 def plan_microbatches(
@@ -52,6 +53,7 @@ def plan_microbatches(
     cost: CostModel = "packed",
     method: PackingMethod = "ffd",
     attention_weight: float = 0.0,
+    compute_weight: float | None = None,
     spread: bool | None = None,
 ) -> MicrobatchPlan:
     """Token-budget microbatches of `lengths`, the same number for each of `world_size` ranks.
@@ -63,6 +65,10 @@ def plan_microbatches(
     re-deal is kept when every microbatch fits the budget and its lockstep efficiency is
     higher. On the chapter's 512-sequence step this takes compute lockstep from 0.95 to
     0.995 for Qwen3-0.6B's weight; at attention_weight 0 it evens out tokens instead.
+
+    compute_weight (default: attention_weight) is the weight the `compute` figures are
+    counted with: the trained model's (`rlfeed.sched.compute.model_attention_weight`) shows
+    what a plan balanced with any other weight costs in GPU time.
     """
     sizes = as_lengths(lengths)
     if spread is None:
@@ -80,11 +86,19 @@ def plan_microbatches(
         )
         if dealt is not None and dealt.lockstep_efficiency > assignment.lockstep_efficiency:
             assignment, spread_used = dealt, True
-    compute = BalanceFigures(
+    balanced = BalanceFigures(
+        rank_cost=assignment.rank_cost,
         rank_imbalance=float(assignment.rank_imbalance),
         lockstep_efficiency=float(assignment.lockstep_efficiency),
     )
-    tokens = balance_figures(sizes, assignment, cost=cost) if attention_weight > 0 else compute
+
+    def figures(weight: float) -> BalanceFigures:
+        if weight == attention_weight:
+            return balanced
+        return balance_figures(sizes, assignment, attention_weight=weight, cost=cost)
+
+    compute = figures(attention_weight if compute_weight is None else compute_weight)
+    tokens = figures(0.0)
     return MicrobatchPlan(
         assignment=assignment,
         num_budget_microbatches=len(budget_microbatches),

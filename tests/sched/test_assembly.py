@@ -136,6 +136,13 @@ def test_step_reports_balance_in_tokens_and_in_compute():
     assert plan.lockstep_efficiency == pytest.approx(per_unit["tokens"][1])
     assert plan.compute_rank_imbalance == pytest.approx(per_unit["compute"][0])
     assert plan.compute_lockstep_efficiency == pytest.approx(per_unit["compute"][1])
+    # Balanced on tokens, counted in compute: the same plan as attention_weight 0 gives.
+    token_plan = assemble_step(
+        rollouts, StepConfig(token_budget=3000, world_size=4, compute_weight=weight)
+    )
+    tokens_only = assemble_step(rollouts, StepConfig(token_budget=3000, world_size=4))
+    assert token_plan.ranks == tokens_only.ranks
+    assert token_plan.lockstep_efficiency == tokens_only.compute_lockstep_efficiency
 
 
 def test_gather_token_ranges_matches_concatenated_slices():

@@ -39,7 +39,7 @@ def step(draw):
 
 
 def straightforward_figures(lengths, assignment, weight, cost):
-    """(rank imbalance, lockstep efficiency) recounted sequence by sequence."""
+    """(rank imbalance, lockstep efficiency, cost per rank) recounted sequence by sequence."""
     costs = []
     for m in assignment.microbatches:
         sizes = [lengths[i] for i in m.tolist()]
@@ -49,9 +49,13 @@ def straightforward_figures(lengths, assignment, weight, cost):
     rank_cost = [sum(costs[i] for i in slots) for slots in assignment.ranks]
     total, world_size = sum(costs), len(assignment.ranks)
     if total == 0:
-        return 1.0, 1.0
+        return 1.0, 1.0, rank_cost
     slowest = [max(costs[r[s]] for r in assignment.ranks) for s in range(assignment.num_slots)]
-    return max(rank_cost) / (total / world_size), total / (world_size * sum(slowest))
+    return (
+        max(rank_cost) / (total / world_size),
+        total / (world_size * sum(slowest)),
+        rank_cost,
+    )
 
 
 @FAST
@@ -70,14 +74,25 @@ def test_count_is_the_ffd_count_rounded_up_and_no_microbatch_is_over_budget(case
 
 
 @FAST
-@given(step())
-def test_figures_in_both_units_match_the_straightforward_count(case):
+@given(step(), st.sampled_from([None, 0.0, 0.002]))
+def test_figures_in_both_units_match_the_straightforward_count(case, compute_weight):
     lengths, budget, cost, world_size, weight = case
-    plan = plan_microbatches(lengths, budget, world_size, cost=cost, attention_weight=weight)
-    for figures, unit_weight in ((plan.tokens, 0.0), (plan.compute, weight)):
-        imbalance, efficiency = straightforward_figures(lengths, plan.assignment, unit_weight, cost)
+    plan = plan_microbatches(
+        lengths,
+        budget,
+        world_size,
+        cost=cost,
+        attention_weight=weight,
+        compute_weight=compute_weight,
+    )
+    counted_with = weight if compute_weight is None else compute_weight
+    for figures, unit_weight in ((plan.tokens, 0.0), (plan.compute, counted_with)):
+        imbalance, efficiency, rank_cost = straightforward_figures(
+            lengths, plan.assignment, unit_weight, cost
+        )
         assert figures.rank_imbalance == pytest.approx(imbalance, rel=1e-9)
         assert figures.lockstep_efficiency == pytest.approx(efficiency, rel=1e-9)
+        np.testing.assert_allclose(figures.rank_cost, rank_cost, rtol=1e-12)
 
 
 @FAST
