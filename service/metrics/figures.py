@@ -52,9 +52,13 @@ class StepFigures:
     computed_positions: int  # positions the ranks compute
     padded_positions: int  # positions of the padded alternative (count x longest)
     largest_microbatch_positions: int
-    rank_imbalance: float  # max rank cost / mean rank cost (1.0 = balanced), as recorded
-    # total cost / (world_size x sum over lockstep slots of the slot's costliest microbatch)
+    rank_imbalance: float  # max rank tokens / mean rank tokens (1.0 = balanced), as recorded
+    # tokens / (world_size x sum over lockstep slots of the slot's largest microbatch tokens)
     lockstep_efficiency: float
+    # The same two in predicted compute (tokens + attention_weight x sum(L^2)), what trainer
+    # time follows; GPU-hours are priced with compute_lockstep_efficiency.
+    compute_rank_imbalance: float
+    compute_lockstep_efficiency: float
     microbatches_per_rank: int
     world_size: int
     token_budget: int
@@ -85,6 +89,11 @@ class StepFigures:
         return self.rank_imbalance - 1.0
 
     @property
+    def compute_rank_imbalance_excess(self) -> float:
+        """The same in predicted compute."""
+        return self.compute_rank_imbalance - 1.0
+
+    @property
     def fill_ratio(self) -> float:
         return share(self.real_tokens, self.microbatches * self.token_budget)
 
@@ -109,6 +118,9 @@ class StepPrice:
     gpu_seconds: dict[str, float]  # phase -> GPU-seconds (decode, train, logprob)
     padding_gpu_seconds: float  # training + log-prob passes over the plan's padding
     padding_avoided_gpu_seconds: float  # the same over padded alternative - computed
+    # Of train + logprob, the GPU-seconds ranks idle waiting for a lockstep slot's slowest
+    # microbatch: (train + logprob) x (1 - compute lockstep efficiency).
+    lockstep_idle_gpu_seconds: float = 0.0
 
     @property
     def total_gpu_seconds(self) -> float:
@@ -125,6 +137,7 @@ def price_step(figures: StepFigures, cost: CostAssumptions) -> StepPrice:
         padded_positions=figures.padded_positions,
         generated_policy_tokens=figures.generated_policy_tokens,
         generated_tokens=figures.generated_tokens,
+        lockstep_efficiency=figures.compute_lockstep_efficiency,
     )
 
 
@@ -137,11 +150,16 @@ def price_tokens(
     padded_positions: int,
     generated_policy_tokens: int | None = None,
     generated_tokens: int | None = None,
+    lockstep_efficiency: float = 1.0,
 ) -> StepPrice:
     """The price of one step from its token counts alone (what `price_step` and the demo's
     summary use): decode on the policy tokens generated (`generated_policy_tokens`, default
     `policy_tokens`), training and log-prob passes on `computed_positions`, padding avoided
-    against `padded_positions`."""
+    against `padded_positions`. Every rank is paid for while it waits for a lockstep slot's
+    slowest microbatch, so the training and log-prob passes are divided by
+    `lockstep_efficiency` (the step's compute lockstep efficiency, in (0, 1])."""
+    if not 0.0 < lockstep_efficiency <= 1.0:
+        raise ValueError(f"lockstep_efficiency must be in (0, 1], got {lockstep_efficiency}")
     from rlfeed.sched.models import GPUS, MODELS
     from rlfeed.sched.throughput import step_cost_from_tokens
 
@@ -167,11 +185,14 @@ def price_tokens(
     padded = priced(policy_tokens, real_tokens, max(padded_positions, computed_positions))
     hours = {
         "decode": decode_hours,
-        "train": trained.train_gpu_hours,
-        "logprob": trained.logprob_gpu_hours,
+        "train": trained.train_gpu_hours / lockstep_efficiency,
+        "logprob": trained.logprob_gpu_hours / lockstep_efficiency,
     }
+    busy_hours = trained.train_gpu_hours + trained.logprob_gpu_hours
     return StepPrice(
         gpu_seconds={phase: h * SECONDS_PER_HOUR for phase, h in hours.items()},
+        lockstep_idle_gpu_seconds=(hours["train"] + hours["logprob"] - busy_hours)
+        * SECONDS_PER_HOUR,
         padding_gpu_seconds=trained.padding_gpu_hours * SECONDS_PER_HOUR,
         padding_avoided_gpu_seconds=(padded.padding_gpu_hours - trained.padding_gpu_hours)
         * SECONDS_PER_HOUR,

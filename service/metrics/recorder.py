@@ -25,9 +25,12 @@ Definitions where a number could mean several things:
 - predicted GPU time: `sched.throughput.step_cost_from_tokens` on the step's token counts,
   model and GPU: phase "decode" prices the policy tokens generated for the step (the kept
   rollouts', or `generated_policy_tokens` when given), "train" and "logprob" the positions
-  the ranks compute. Padding avoided: the padding GPU time of the padded alternative minus
-  the plan's (training + log-prob passes over padded - computed positions). In GPU-seconds
-  (base unit); divide by 3600 for GPU-hours. Stale rollouts are not priced.
+  the ranks compute, divided by the step's compute lockstep efficiency: a rank waiting for
+  a slot's slowest microbatch is paid for too (that share is
+  `rlfeed_lockstep_idle_gpu_seconds_total`). Padding avoided: the padding GPU time of the
+  padded alternative minus the plan's (training + log-prob passes over padded - computed
+  positions). In GPU-seconds (base unit); divide by 3600 for GPU-hours. Stale rollouts
+  are not priced.
 - step latency: from `ready_time` (before the step was assembled, i.e. its last group
   complete) to the first fetch by its last rank. Trainer lag: newest assembled step minus
   the slowest rank's newest fetched step (-1 before its first fetch).
