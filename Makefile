@@ -34,6 +34,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: setup system-deps lint
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,21 +1,14 @@
 """The client's one conversion point between wire messages and arrays/tensors.
 
-Producer side: rollouts -> `RolloutBatch.arrow_ipc` (one Arrow IPC stream, the columns the
-`.proto` documents). Trainer side: a served `GetBatchResponse` -> `MicrobatchTensors`,
-torch tensors that alias the Arrow buffers, every column as served: int32 input ids,
-position ids and target ids, uint8 mask, float32 log-probs and advantages. Hugging Face
-models, `nn.Embedding` and `checkpointed_log_probs` take int32 ids and positions (rotary
-embeddings cast positions to float, packed-sequence detection only compares them), so no
-column is widened: a copy per microbatch would cost the trainer memory traffic for nothing
-(`torch.gather` wants `target_ids.long()`, a copy the caller makes where needed).
-
-Zero-copy tensors share memory with the received message bytes, so they are read-only in
-spirit: write into a `.clone()`, not into them.
+Producer side: rollouts -> `RolloutBatch.arrow_ipc`. Trainer side: a served
+`GetBatchResponse` -> `MicrobatchTensors`, torch tensors that alias the received bytes, every
+column as served (int32 ids and positions, uint8 mask, float32 log-probs and advantages):
+widening would cost memory traffic per microbatch for nothing. The tensors are read-only in
+spirit: write into a `.clone()`.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
-from rlfeed.proto.ipc_framing import FixedWidthFraming
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA, TOKEN_BYTES
+from rlfeed.proto.ipc_framing import ipc_stream_pieces, microbatch_framing, swap_placeholder_bodies
 from rlfeed.proto.wire import encode_varint, length_delimited, split_field
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: producers never pay for it
@@ -84,7 +77,7 @@ class RolloutColumns:
         self.token_ids.append(tokens)
         self.action_mask.append(mask)
         self.sampler_logprobs.append(logprobs)
-        return tokens.size * 9  # int32 + uint8 + float32 per token
+        return tokens.size * TOKEN_BYTES
 
 
 def _raise_shape_error(rollout_id: str, arrays: tuple[np.ndarray, ...]) -> None:
@@ -97,65 +90,6 @@ def _raise_shape_error(rollout_id: str, arrays: tuple[np.ndarray, ...]) -> None:
                 f"rollout {rollout_id!r}: {name} has {array.size} entries but token_ids "
                 f"has {length}"
             )
-
-
-class _PiecesSink:
-    """A write-only file that keeps what it is given: an Arrow IPC writer hands a Python
-    file its metadata as small bytes and each body buffer as a `pa.Buffer` over the array
-    itself, so a stream is collected without copying the columns."""
-
-    def __init__(self) -> None:
-        self.pieces: list = []
-        self.size = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        self.pieces.append(data)
-        self.size += size
-        return size
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def ipc_stream_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
-    """(the Arrow IPC stream of one record batch as buffers to join, its size in bytes);
-    the body buffers are views of the batch's arrays, so joining them is the only copy."""
-    sink = _PiecesSink()
-    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.pieces, sink.size
-
-
-def swap_placeholder_bodies(pieces: list, swaps: dict[int, list[tuple[int, list]]]) -> list | None:
-    """`pieces` of `ipc_stream_pieces` with the body buffers of placeholder arrays replaced
-    by the real values' pieces. An Arrow IPC stream's framing depends on the buffers' sizes,
-    never on their values, so a writer run over placeholders frames the real values too.
-
-    swaps[address] = [(size in bytes, replacement pieces), ...], in the order the writer
-    hands over the placeholder buffer at `address` (several columns may share one). None
-    unless every swap meets its buffer at its size: then encode the values directly."""
-    queues = {address: entries[::-1] for address, entries in swaps.items()}
-    out: list = []
-    for piece in pieces:
-        queue = queues.get(piece.address) if isinstance(piece, pa.Buffer) else None
-        if queue is None:
-            out.append(piece)
-            continue
-        if not queue:
-            return None
-        size, replacement = queue.pop()
-        if piece.size != size:
-            return None
-        out += replacement
-    return None if any(queues.values()) else out
 
 
 def encode_rollouts(rows: RolloutColumns) -> bytes:
@@ -285,13 +219,6 @@ class MicrobatchTensors:
 
 MICROBATCH_COLUMNS = {field.name: field.type for field in MICROBATCH_SCHEMA}
 _MICROBATCH_DTYPES = [np.dtype(field.type.to_pandas_dtype()) for field in MICROBATCH_SCHEMA]
-
-
-@functools.cache
-def microbatch_framing() -> FixedWidthFraming | None:
-    """How a served microbatch's Arrow stream is framed (`client.ipc_framing`), derived from
-    pyarrow's writer once per process, at first use; None where it lays it out otherwise."""
-    return FixedWidthFraming.derive(MICROBATCH_SCHEMA)
 
 
 def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,12 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 """`RolloutBatch.arrow_ipc`: one row per rollout; `token_ids` offsets are its cu_seqlens."""
 
+# Bytes of one token across the per-token rollout columns (int32 id + uint8 mask + float32
+# log-prob), read off the schema; `sched.assembly.TOKEN_BYTES` must agree (a test checks).
+TOKEN_BYTES = sum(
+    field.type.value_type.bit_width // 8 for field in ROLLOUT_SCHEMA if pa.types.is_list(field.type)
+)
+
 MICROBATCH_SCHEMA = pa.schema(
     [
         ("input_ids", pa.int32()),

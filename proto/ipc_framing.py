@@ -1,35 +1,25 @@
-"""Arrow IPC framing of one fixed-width, null-free record batch, for any row count, without
-running pyarrow's writer or reader per batch.
+"""Arrow IPC stream framing that producer, server and trainer share, without copying values.
 
-A served microbatch is one record batch of `MICROBATCH_SCHEMA` (six fixed-width columns, no
-nulls). Its IPC stream is a header (the schema message and the record-batch message, both
-flatbuffers), each column's values padded to 8 bytes, and the end-of-stream marker. Only a
-few integers of the header depend on the row count T (the batch length, every field node's
-length, every buffer's offset and length, the body length); all other bytes are the same
-for every T >= 1. Running pyarrow's writer over placeholder arrays costs ~47 us of Python
-per microbatch (a batch, six arrays, a writer, a file object); writing those integers into
-a copy of the header costs ~8.
-
-`FixedWidthFraming.derive(schema)` takes the bytes from the writer itself: it writes three
-probe batches, finds each integer whose bytes change with T by matching them against the
-quantities above, and checks the result against the writer at row counts it did not probe
-(every padding remainder, larger T). Where anything does not match (a writer that lays
-the messages out differently) it returns None, and the caller uses pyarrow instead.
-
-The same knowledge reads such a stream back (`FixedWidthFraming.columns`): a stream whose
-header, size and end are byte for byte those written for T rows has its columns at known
-offsets, so a trainer rank views them without pyarrow's reader (~50 us per microbatch);
-any other stream is left to pyarrow.
+`ipc_stream_pieces` collects pyarrow's writer output as buffers to join (body buffers are
+views of the arrays); `swap_placeholder_bodies` puts real values where a writer framed
+placeholders (framing depends on buffer sizes, never on values). `FixedWidthFraming` goes
+further for a fixed-width, null-free batch (a served microbatch): probing the writer once,
+it finds the header integers that change with the row count, then writes (~8 us) or reads
+(`columns`) such a stream at known offsets instead of running pyarrow per batch (~47 and
+~50 us). Where the writer lays messages out otherwise, `derive` returns None and callers
+use pyarrow.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
 
 _ALIGNMENT = 8  # Arrow IPC pads every body buffer to a multiple of 8 bytes
 _PADDING = tuple(bytes(n) for n in range(_ALIGNMENT))
@@ -180,3 +170,69 @@ def _find_slots(
         slots.append((offset, matches[0]))
         covered |= span
     return tuple(slots) if changing <= covered else None
+
+
+class _PiecesSink:
+    """A write-only file that keeps what it is given: an Arrow IPC writer hands a Python
+    file its metadata as small bytes and each body buffer as a `pa.Buffer` over the array
+    itself, so a stream is collected without copying the columns."""
+
+    def __init__(self) -> None:
+        self.pieces: list = []
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        self.pieces.append(data)
+        self.size += size
+        return size
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def ipc_stream_pieces(batch: pa.RecordBatch) -> tuple[list, int]:
+    """(the Arrow IPC stream of one record batch as buffers to join, its size in bytes);
+    the body buffers are views of the batch's arrays, so joining them is the only copy."""
+    sink = _PiecesSink()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.pieces, sink.size
+
+
+def swap_placeholder_bodies(pieces: list, swaps: dict[int, list[tuple[int, list]]]) -> list | None:
+    """`pieces` of `ipc_stream_pieces` with the body buffers of placeholder arrays replaced
+    by the real values' pieces. An Arrow IPC stream's framing depends on the buffers' sizes,
+    never on their values, so a writer run over placeholders frames the real values too.
+
+    swaps[address] = [(size in bytes, replacement pieces), ...], in the order the writer
+    hands over the placeholder buffer at `address` (several columns may share one). None
+    unless every swap meets its buffer at its size: then encode the values directly."""
+    queues = {address: entries[::-1] for address, entries in swaps.items()}
+    out: list = []
+    for piece in pieces:
+        queue = queues.get(piece.address) if isinstance(piece, pa.Buffer) else None
+        if queue is None:
+            out.append(piece)
+            continue
+        if not queue:
+            return None
+        size, replacement = queue.pop()
+        if piece.size != size:
+            return None
+        out += replacement
+    return None if any(queues.values()) else out
+
+
+@functools.cache
+def microbatch_framing() -> FixedWidthFraming | None:
+    """How a served microbatch's Arrow stream is framed (`FixedWidthFraming`), derived from
+    pyarrow's writer once per process, at first use; None where it lays it out otherwise."""
+    return FixedWidthFraming.derive(MICROBATCH_SCHEMA)

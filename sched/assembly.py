@@ -132,7 +132,7 @@ class StepPlan:
 
     @property
     def padding_share(self) -> float:
-        return _share(self.computed_positions - self.real_tokens, self.computed_positions)
+        return share(self.computed_positions - self.real_tokens, self.computed_positions)
 
     def policy_version_range(self, policy_versions: np.ndarray) -> tuple[int, int]:
         """(newest, oldest) policy version of the step's kept rollouts, of all its rollouts
@@ -143,10 +143,11 @@ class StepPlan:
 
     @property
     def padded_alternative_padding_share(self) -> float:
-        return _share(self.padded_positions - self.real_tokens, self.padded_positions)
+        return share(self.padded_positions - self.real_tokens, self.padded_positions)
 
 
-def _share(part: int, whole: int) -> float:
+def share(part: float, whole: float) -> float:
+    """part / whole, 0 when whole is 0."""
     return float(part) / float(whole) if whole else 0.0
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES
+from rlfeed.sched.models import GPUS, MODELS
+from rlfeed.sched.throughput import EpisodeShape
 
 try:
     import tomllib
@@ -29,8 +31,9 @@ _MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits ma
 FROM_MODEL = -1.0  # [batching] attention_weight: derive it from [accounting] model
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit)."""
+def documented(default: Any, doc: str) -> Any:
+    """A field with a default and its documentation (meaning, unit), which the example
+    config prints."""
     return field(default=default, metadata={"doc": doc})
 
 
@@ -43,29 +46,31 @@ def _require(condition: bool, section: str, name: str, message: str) -> None:
 class ServerConfig:
     """Where the gRPC front-end listens and how much it accepts."""
 
-    host: str = _f("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
-    port: int = _f(50051, "gRPC port; 0 picks a free port (printed at start-up)")
-    metrics_port: int = _f(0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint")
-    metrics_host: str = _f(
+    host: str = documented("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
+    port: int = documented(50051, "gRPC port; 0 picks a free port (printed at start-up)")
+    metrics_port: int = documented(
+        0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint"
+    )
+    metrics_host: str = documented(
         "127.0.0.1",
         "interface the metrics port binds, separate from host so it stays on loopback when "
         "gRPC serves other machines; 0.0.0.0 for a remote Prometheus",
     )
-    max_message_bytes: int = _f(
+    max_message_bytes: int = documented(
         512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
     )
-    max_workers: int = _f(
+    max_workers: int = documented(
         64, "gRPC handler threads; each open SubmitRollouts stream and waiting GetBatch holds one"
     )
-    max_wait_seconds: float = _f(
+    max_wait_seconds: float = documented(
         60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
     )
-    replicas: int = _f(
+    replicas: int = documented(
         1,
         "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
         "scheduler actor: ingest and serving use that many interpreters' worth of cores",
     )
-    retained_free_mib: int = _f(
+    retained_free_mib: int = documented(
         1024,
         "MiB of free memory a heap of the front-end's process may hold at its top before "
         "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
@@ -96,9 +101,11 @@ class ServerConfig:
 class RayConfig:
     """Where the scheduler actor lives."""
 
-    namespace: str = _f("rlfeed", "Ray namespace of the named scheduler actor")
-    actor_name: str = _f("rlfeed-scheduler", "name of the scheduler actor in that namespace")
-    num_cpus: int = _f(2, "CPUs of an embedded local Ray (ignored when joining a cluster)")
+    namespace: str = documented("rlfeed", "Ray namespace of the named scheduler actor")
+    actor_name: str = documented(
+        "rlfeed-scheduler", "name of the scheduler actor in that namespace"
+    )
+    num_cpus: int = documented(2, "CPUs of an embedded local Ray (ignored when joining a cluster)")
 
     def __post_init__(self) -> None:
         _require(self.num_cpus >= 1, "ray", "num_cpus", f"must be >= 1, got {self.num_cpus}")
@@ -109,20 +116,26 @@ class RayConfig:
 class BatchingConfig:
     """How a step is cut into microbatches and ranks (maps onto sched.assembly.StepConfig)."""
 
-    token_budget: int = _f(
+    token_budget: int = documented(
         65536, "tokens per microbatch (packed: sum of lengths; padded: count x longest)"
     )
-    world_size: int = _f(1, "data-parallel trainer ranks; each gets the same microbatch count")
-    cost_model: str = _f("packed", "'packed' (varlen rows) or 'padded' (rows padded to longest)")
-    packing_method: str = _f("ffd", "bin packing: 'ffd' (first-fit) or 'bfd' (best-fit decreasing)")
-    attention_weight: float = _f(
+    world_size: int = documented(
+        1, "data-parallel trainer ranks; each gets the same microbatch count"
+    )
+    cost_model: str = documented(
+        "packed", "'packed' (varlen rows) or 'padded' (rows padded to longest)"
+    )
+    packing_method: str = documented(
+        "ffd", "bin packing: 'ffd' (first-fit) or 'bfd' (best-fit decreasing)"
+    )
+    attention_weight: float = documented(
         FROM_MODEL,
         "rank-balancing cost = tokens + attention_weight * sum(L^2), the predicted compute that "
         "ranks and lockstep slots are evened out on (microbatches still obey token_budget); "
         f"{FROM_MODEL} = from [accounting] model's FLOPs (2N per token plus causal attention), "
         "printed next to it at start-up; 0 = balance tokens only",
     )
-    retained_steps: int = _f(
+    retained_steps: int = documented(
         4, "steps kept for re-fetch after every rank fetched them (trainer restarts), count"
     )
 
@@ -144,27 +157,27 @@ class BatchingConfig:
 class RolloutsConfig:
     """What makes a step and which rollouts are accepted."""
 
-    prompts_per_step: int = _f(8, "complete groups (tasks) per training step")
-    group_size: int = _f(8, "rollouts per group; a group is complete when all have arrived")
-    max_policy_lag: int = _f(
+    prompts_per_step: int = documented(8, "complete groups (tasks) per training step")
+    group_size: int = documented(8, "rollouts per group; a group is complete when all have arrived")
+    max_policy_lag: int = documented(
         4, "rollouts more than this many policy versions behind the newest seen are dropped"
     )
-    max_version_jump: int = _f(
+    max_version_jump: int = documented(
         16,
         "a rollout whose policy_version is more than this many versions ahead of the newest "
         "seen so far is rejected (INVALID_ARGUMENT), so one bogus version cannot make every "
         "honest rollout stale; the baseline is initial_policy_version, or, if that is -1, "
         "the first accepted rollout's version",
     )
-    initial_policy_version: int = _f(
+    initial_policy_version: int = documented(
         -1,
         "the policy version the run starts from (e.g. the checkpoint's, when resuming): the "
         "newest version seen starts here, so even the first rollouts are held to "
         "max_version_jump and max_policy_lag; -1 = take the first accepted rollout's version "
         "(then a bogus version on the very first rollout becomes the baseline)",
     )
-    vocab_size: int = _f(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
-    dedup_window_groups: int = _f(
+    vocab_size: int = documented(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
+    dedup_window_groups: int = documented(
         100_000,
         "closed groups (trained, stale or dropped) whose rollout ids are remembered so a "
         "resent rollout is answered as a duplicate, oldest forgotten first; a resend of a "
@@ -172,7 +185,7 @@ class RolloutsConfig:
         "always remembered. Memory: about 130 bytes per remembered 20-character rollout id "
         "(the default with group_size 8: about 100 MB)",
     )
-    max_buffered_rollouts: int = _f(
+    max_buffered_rollouts: int = documented(
         200_000,
         "bound on accepted rollouts not yet fetched by every rank: while an assembled step "
         "waits for ranks, a batch opening a new group beyond it is refused "
@@ -206,9 +219,9 @@ class RolloutsConfig:
 class AdvantagesConfig:
     """Group-relative advantages."""
 
-    mode: str = _f("mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)")
-    scale: float = _f(1.0, "divisor of reward - group mean in 'constant' mode")
-    drop_zero_advantage: bool = _f(
+    mode: str = documented("mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)")
+    scale: float = documented(1.0, "divisor of reward - group mean in 'constant' mode")
+    drop_zero_advantage: bool = documented(
         False,
         "discard all-equal-reward groups as they complete, so steps fill with informative "
         "groups (dynamic sampling); counted either way",
@@ -224,17 +237,25 @@ class AdvantagesConfig:
 class CurriculumSection:
     """Which tasks to sample (maps onto sched.curriculum.CurriculumConfig)."""
 
-    estimator: str = _f("ema", "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior")
-    low: float = _f(0.0, "sample a task while low < estimate (0 drops all-fail tasks)")
-    high: float = _f(1.0, "sample a task while estimate < high (1 drops all-pass tasks)")
-    ema_decay: float = _f(0.5, "weight of the newest visit with estimator 'ema', in (0, 1]")
-    prior_alpha: float = _f(1.0, "Beta prior successes (estimator 'beta'), > 0")
-    prior_beta: float = _f(1.0, "Beta prior failures (estimator 'beta'), > 0")
-    beta_forgetting: float = _f(1.0, "per-visit discount of old Beta evidence, in (0, 1]")
-    revisits: int = _f(1, "tasks from outside the filter added to each sample ('filter'), count")
-    sampling: str = _f("filter", "'filter' (hard pass-rate filter) or 'soft' (p(1-p) + floor)")
-    soft_floor: float = _f(0.01, "added to p(1-p) in 'soft' sampling so no task is impossible")
-    seed: int = _f(0, "seed of the task sampler (sampling is deterministic given it)")
+    estimator: str = documented(
+        "ema", "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior"
+    )
+    low: float = documented(0.0, "sample a task while low < estimate (0 drops all-fail tasks)")
+    high: float = documented(1.0, "sample a task while estimate < high (1 drops all-pass tasks)")
+    ema_decay: float = documented(0.5, "weight of the newest visit with estimator 'ema', in (0, 1]")
+    prior_alpha: float = documented(1.0, "Beta prior successes (estimator 'beta'), > 0")
+    prior_beta: float = documented(1.0, "Beta prior failures (estimator 'beta'), > 0")
+    beta_forgetting: float = documented(1.0, "per-visit discount of old Beta evidence, in (0, 1]")
+    revisits: int = documented(
+        1, "tasks from outside the filter added to each sample ('filter'), count"
+    )
+    sampling: str = documented(
+        "filter", "'filter' (hard pass-rate filter) or 'soft' (p(1-p) + floor)"
+    )
+    soft_floor: float = documented(
+        0.01, "added to p(1-p) in 'soft' sampling so no task is impossible"
+    )
+    seed: int = documented(0, "seed of the task sampler (sampling is deterministic given it)")
 
     def __post_init__(self) -> None:
         try:
@@ -253,20 +274,30 @@ class CurriculumSection:
 
 @dataclass(kw_only=True, frozen=True)
 class AccountingConfig:
-    """Presets used to price steps in GPU-hours (rlfeed.sched.models)."""
+    """Presets used to price steps in GPU-hours (rlfeed.sched.models).
 
-    model: str = _f("qwen3-8b", "model preset name (sched.models.MODELS)")
-    gpu: str = _f("h200", "GPU preset name (sched.models.GPUS)")
-    mfu: float = _f(0.4, "training model-FLOPs utilization assumed for pricing, 0-1")
-    decode_batch: int = _f(64, "sequences one inference GPU decodes at once, for decode pricing")
-    decode_context: int = _f(
-        16_384, "context while decoding, tokens (KV-cache reads per decoded token)"
+    The defaults of the pricing assumptions are `sched.throughput.EpisodeShape`'s, the
+    chapter's Section 14.6 example; the metrics and the demo's summary price with this."""
+
+    model: str = documented("qwen3-8b", "model preset name (sched.models.MODELS)")
+    gpu: str = documented("h200", "GPU preset name (sched.models.GPUS)")
+    mfu: float = documented(
+        EpisodeShape.mfu, "training model-FLOPs utilization assumed for pricing, 0-1"
     )
-    busy_fraction: float = _f(
-        0.5, "share of wall time the inference GPUs generate, in (0, 1]; divides decode GPU-hours"
+    decode_batch: int = documented(
+        EpisodeShape.decode_batch, "sequences one inference GPU decodes at once, for decode pricing"
     )
-    logprob_forward_passes: int = _f(
-        2, "extra forward passes per trained position (reference and old-policy log-probs)"
+    decode_context: int = documented(
+        EpisodeShape.decode_context,
+        "context while decoding, tokens (KV-cache reads per decoded token)",
+    )
+    busy_fraction: float = documented(
+        EpisodeShape.busy_fraction,
+        "share of wall time the inference GPUs generate, in (0, 1]; divides decode GPU-hours",
+    )
+    logprob_forward_passes: int = documented(
+        EpisodeShape.logprob_forward_passes,
+        "extra forward passes per trained position (reference and old-policy log-probs)",
     )
 
     def __post_init__(self) -> None:
@@ -282,6 +313,8 @@ class AccountingConfig:
         _require(
             self.logprob_forward_passes >= 0, "accounting", "logprob_forward_passes", "must be >= 0"
         )
+        _require(self.model in MODELS, "accounting", "model", f"one of {sorted(MODELS)}")
+        _require(self.gpu in GPUS, "accounting", "gpu", f"one of {sorted(GPUS)}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -295,12 +328,6 @@ class SidecarConfig:
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
-
-    def __post_init__(self) -> None:
-        from rlfeed.sched.models import GPUS, MODELS
-
-        _require(self.accounting.model in MODELS, "accounting", "model", f"one of {sorted(MODELS)}")
-        _require(self.accounting.gpu in GPUS, "accounting", "gpu", f"one of {sorted(GPUS)}")
 
     @property
     def model_attention_weight(self) -> float:

@@ -1,14 +1,11 @@
-"""Synthetic rollouts and an independent checker of served steps, for tests and benchmarks.
+"""Synthetic rollouts, a test-only encoder and an independent checker of served steps.
 
-`synthetic_groups` makes complete groups of random rollouts (long-tailed lengths, a prompt
-of non-policy tokens, then policy tokens) and encodes any subset of them as a RolloutBatch
-Arrow payload. `check_served_step` takes every rank's GetBatchResponse of one step and
-verifies it against the submitted arrays by the straightforward computation, one sequence
-at a time: tokens, restarted position ids, next-token targets, loss mask, sampler
-log-probs, per-group advantages, cu_seqlens, the global policy-token count, equal
-microbatch counts per rank, and that every served rollout appears exactly once.
-`fetch_served_bytes` asks a sidecar for one (step, rank) and returns the bytes as served.
-`step_record` is a StepRecord with plausible figures, for the metrics' tests.
+`synthetic_groups` makes complete groups of random rollouts (long-tailed lengths, a prompt,
+then policy tokens); `encode_rollout_arrays` turns per-rollout arrays into a RolloutBatch
+Arrow payload (each list column with its own offsets, so malformed batches are expressible).
+`check_served_step` verifies every rank's GetBatchResponse of a step against the submitted
+arrays by the straightforward computation, one sequence at a time. `fetch_served_bytes`
+asks a sidecar for one (step, rank); `step_record` is a plausible StepRecord.
 """
 
 from __future__ import annotations
@@ -18,8 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+import pyarrow as pa
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.service.frontend.codec import decode_microbatch, encode_rollout_batch
+from rlfeed.proto.arrow_schemas import ROLLOUT_SCHEMA
+from rlfeed.service.frontend.codec import decode_microbatch
 from rlfeed.service.scheduler.records import StepRecord
 
 
@@ -48,7 +47,7 @@ class SyntheticRollouts:
     def encode(self, rows: Sequence[int] | None = None) -> bytes:
         """Arrow IPC payload of a RolloutBatch holding `rows` (default all)."""
         part = self if rows is None else self.subset(rows)
-        return encode_rollout_batch(**{name: getattr(part, name) for name in _FIELDS})
+        return encode_rollout_arrays(**{name: getattr(part, name) for name in _FIELDS})
 
     def row_of(self) -> dict[str, int]:
         return {rollout_id: i for i, rollout_id in enumerate(self.rollout_ids)}
@@ -64,6 +63,52 @@ _FIELDS = (
     "action_mask",
     "sampler_logprobs",
 )
+
+
+def encode_rollout_arrays(
+    *,
+    rollout_ids: Sequence[str],
+    task_ids: Sequence[str],
+    group_ids: Sequence[str],
+    policy_versions: Sequence[int],
+    rewards: Sequence[float],
+    token_ids: Sequence[np.ndarray],
+    action_mask: Sequence[np.ndarray],
+    sampler_logprobs: Sequence[np.ndarray],
+) -> bytes:
+    """Per-rollout arrays -> Arrow IPC stream bytes in ROLLOUT_SCHEMA (tests and tools).
+
+    Each list column gets its own offsets, so a length mismatch is representable (and is
+    then rejected by validation, which is what the tests want to exercise).
+    """
+
+    def list_array(arrays: Sequence[np.ndarray], dtype: type) -> pa.ListArray:
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        values = (
+            np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
+            if len(arrays)
+            else np.zeros(0, dtype)
+        )
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.array(list(rollout_ids), pa.string()),
+            pa.array(list(task_ids), pa.string()),
+            pa.array(list(group_ids), pa.string()),
+            pa.array(np.asarray(policy_versions, dtype=np.int64)),
+            pa.array(np.asarray(rewards, dtype=np.float64)),
+            list_array(token_ids, np.int32),
+            list_array(action_mask, np.uint8),
+            list_array(sampler_logprobs, np.float32),
+        ],
+        schema=ROLLOUT_SCHEMA,
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
 
 
 def synthetic_groups(

@@ -1,10 +1,17 @@
-"""argparse `type=` converters shared by the subcommands: a bad value is a usage error
-(exit status 2) that says what was expected, never a traceback."""
+"""What the subcommands share: argparse `type=` converters, the usage error and the default
+sidecar address. A bad value is a usage error (exit status 2) that says what was expected,
+never a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import math
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"  # `rlfeed serve`'s default [server] host and port
+
+
+class UsageError(Exception):
+    """Bad input: reported on stderr, exit status 2 (argparse's convention)."""
 
 
 def _number(text: str, kind: type, expected: str) -> int | float:

@@ -5,18 +5,8 @@
     rlfeed demo --address HOST:PORT      # drive a running sidecar (smoke test, load generator)
     rlfeed demo --steps 50 --metrics-port 9400   # watch it in Grafana (deploy/grafana)
 
-Without `--address` it starts the sidecar on an embedded local Ray (the config's
-`[batching] world_size` is forced to 2). A synthetic fleet (`rlfeed.service.demo.fleet`:
-300 tasks with hidden, improving pass rates, long-tailed episodes, binary rewards) asks the
-sidecar for tasks and submits groups with `RolloutWriter`; two trainer processes
-(`rlfeed.service.demo.trainer`, RANK/WORLD_SIZE set as torchrun would) pull their
-microbatches with `BatchLoader` and run a GRPO step on a tiny transformer, all-reducing
-gradients over gloo. One line per step, then a summary: steps, tokens, padding share vs the
-padded alternative, zero-advantage share, rollouts saved by the filter, and predicted
-GPU-hours per step for the configured model and GPU (`[accounting]`), priced exactly as the
-metrics price them. With `--metrics-port` the embedded sidecar also serves its Prometheus
-metrics and `/layout.png` on `[server] metrics_host` (127.0.0.1 unless configured) for as
-long as the demo runs. Exit status 0 when every step trained.
+Prints one line per step, then a summary (padding share, zero-advantage share, rollouts
+saved by the filter, predicted GPU-hours). Exit status 0 when every step trained.
 """
 
 from __future__ import annotations
@@ -25,15 +15,6 @@ import argparse
 import sys
 
 DEFAULT_STEPS = 4
-# The demo's sidecar settings where they differ from `rlfeed serve`'s defaults: a token
-# budget the tiny model handles on CPU, the fleet's vocabulary, two ranks, and dropping
-# zero-advantage groups so every step carries gradient.
-DEMO_OVERRIDES = {
-    "server": {"port": 0},
-    "batching": {"token_budget": 2048, "world_size": 2},
-    "rollouts": {"prompts_per_step": 8, "group_size": 8, "vocab_size": 512},
-    "advantages": {"drop_zero_advantage": True},
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,17 +3,11 @@
     rlfeed estimate                                   # Qwen3-8B on an H200, batch 64, 2k
     rlfeed estimate --model qwen3-32b --gpu h100 --context 16384 --json
     rlfeed estimate --steps 300                       # + the default episode shape's step
-    rlfeed estimate --layers 36 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \\
-        --intermediate 12288 --vocab 151936 --bandwidth 4.8 --flops 989
 
-Prints kv_bytes_per_token, params, decode_tokens_per_s, train_tokens_per_s and
-attention_weight (the model's, which `rlfeed plan` and `[batching]` balance ranks with by
-default; the model flags are the same as `rlfeed plan`'s). Any
-episode-shape flag (--prompts, --group-size, --prompt-tokens, --policy-tokens,
---tool-tokens, --busy-fraction, --logprob-passes, --steps) adds the GPU-hours of one step,
-split into decode, training and log-prob passes (and the run total with --steps); shape
-fields not given take `EpisodeShape`'s defaults, including its 16,384-token decode context
-unless --context is given. Bad input exits 2 with the flag and the valid choices on stderr.
+Prints KV-cache bytes per token, parameters, decode and training tokens/s, and the model's
+attention_weight (what `rlfeed plan` and `[batching]` balance ranks with by default; the
+model flags are `rlfeed plan`'s). Any episode-shape flag adds one step's GPU-hours by phase
+(missing fields: `EpisodeShape`'s defaults). Bad input exits 2 naming the flag and choices.
 """
 
 from __future__ import annotations
@@ -23,12 +17,18 @@ import json
 import sys
 
 from rlfeed.service.cli.argtypes import (
+    UsageError,
     fraction,
     non_negative_int,
     positive_float,
     positive_int,
 )
-from rlfeed.service.cli.modelflags import add_model_arguments, flag, resolve_arch
+from rlfeed.service.cli.modelflags import (
+    add_model_arguments,
+    flag,
+    preset_unless_custom,
+    resolve_arch,
+)
 
 DEFAULT_GPU = "h200"
 DEFAULT_BATCH = 64
@@ -45,10 +45,6 @@ _SHAPE_FLAGS: dict[str, str] = {
     "busy_fraction": "busy_fraction",
     "logprob_passes": "logprob_forward_passes",
 }
-
-
-class _UsageError(Exception):
-    """Bad flags: reported on stderr, exit status 2 (argparse's convention)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,19 +89,12 @@ def _resolve_gpu(args: argparse.Namespace):
     from rlfeed.sched.models import GPUS, GpuSpec
 
     given = [d for d in ("bandwidth", "flops", "memory") if getattr(args, d) is not None]
-    if args.gpu is not None and given:
-        flags = ", ".join(flag(dest) for dest in given)
-        raise _UsageError(f"argument --gpu: not allowed with {flags}")
-    if not given:
-        name = args.gpu or DEFAULT_GPU
-        if name not in GPUS:
-            raise _UsageError(
-                f"argument --gpu: invalid choice {name!r} (choose from {', '.join(GPUS)})"
-            )
-        return GPUS[name]
+    preset = preset_unless_custom(args, "gpu", GPUS, DEFAULT_GPU, given, "{}")
+    if preset is not None:
+        return preset
     missing = [flag(d) for d in ("bandwidth", "flops") if getattr(args, d) is None]
     if missing:
-        raise _UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
+        raise UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
     return GpuSpec(
         name="custom",
         memory_bandwidth_bytes_per_s=args.bandwidth * 1e12,
@@ -228,7 +217,7 @@ def _print_text(r: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         result = _estimate(args)
-    except (_UsageError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:
         print(f"rlfeed estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -5,22 +5,9 @@
     rlfeed layout --example -o example.png             # no server: a demo-fleet step
     rlfeed layout --lengths lengths.txt --budget 65536 --world-size 8 -o plan.png
 
-The padded layout (one row per rollout, padded to the longest) beside the packed one (one
-row per microbatch, rank by rank) at the same scale, so area is compute; policy tokens
-blue, prompt/tool tokens aqua, padding grey, sequence boundaries as dark ticks.
-
-From a sidecar (`--address`, default 127.0.0.1:50051) it fetches the step's microbatches
-with GetBatch for every rank, exactly as the trainers do. A fetch counts as that rank's
-fetch of the step, so by default it only draws steps every rank has already fetched
-(`--force` draws a waiting step anyway). Steps are held for `retained_steps` after every
-rank fetched them; an older one answers "released".
-
-Offline (`--lengths FILE` or `--example`) it plans the step itself with `rlfeed.sched`:
-FILE holds one length per line (`#` comments), or JSON: a list of lengths, or
-{"lengths": [...], "action_masks": [[0, 1, ...], ...]} to show policy tokens. `--example`
-is one step of `rlfeed demo`'s synthetic fleet (64 agent episodes, with policy masks).
-Needs matplotlib (`pip install 'rlfeed[plot]'`). Exit status 2 on bad input, 1 when the
-sidecar cannot give the step.
+From a sidecar it fetches the step with GetBatch for every rank, as trainers do (so by
+default only steps every rank fetched; `--force` draws a waiting one). Needs matplotlib.
+Exit status 2 on bad input, 1 when the sidecar cannot give the step.
 """
 
 from __future__ import annotations
@@ -30,15 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-from rlfeed.service.cli.argtypes import non_negative_int, positive_int
+from rlfeed.service.cli.argtypes import (
+    DEFAULT_ADDRESS,
+    UsageError,
+    non_negative_int,
+    positive_int,
+)
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_BUDGET = 2048  # the demo's token budget
 EXAMPLE_GROUPS = 8  # x 8 episodes: one demo step
-
-
-class _UsageError(Exception):
-    """Bad input: reported on stderr, exit status 2."""
 
 
 class _SidecarError(Exception):
@@ -85,12 +72,12 @@ def read_lengths(text: str, source: str) -> tuple[list[int], list[list[int]] | N
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise _UsageError(f"{source}: not valid JSON: {exc}") from None
+            raise UsageError(f"{source}: not valid JSON: {exc}") from None
         if isinstance(data, list):
             data = {"lengths": data}
         lengths, masks = data.get("lengths"), data.get("action_masks")
         if not isinstance(lengths, list):
-            raise _UsageError(f'{source}: expected a list or {{"lengths": [...]}}')
+            raise UsageError(f'{source}: expected a list or {{"lengths": [...]}}')
     else:
         lengths, masks = [], None
         for number, line in enumerate(text.splitlines(), start=1):
@@ -99,14 +86,14 @@ def read_lengths(text: str, source: str) -> tuple[list[int], list[list[int]] | N
                 try:
                     lengths.append(int(content))
                 except ValueError:
-                    raise _UsageError(
+                    raise UsageError(
                         f"{source}:{number}: expected a length, got {content!r}"
                     ) from None
     for index, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise _UsageError(f"{source}: lengths[{index}] must be an integer >= 1, got {length!r}")
+            raise UsageError(f"{source}: lengths[{index}] must be an integer >= 1, got {length!r}")
     if not lengths:
-        raise _UsageError(f"{source}: no lengths")
+        raise UsageError(f"{source}: no lengths")
     return lengths, masks
 
 
@@ -132,11 +119,11 @@ def _offline_layout(args: argparse.Namespace):
     try:
         text = sys.stdin.read() if args.lengths == "-" else Path(args.lengths).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise _UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
+        raise UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
     lengths, masks = read_lengths(text, args.lengths)
     too_long = [i for i, length in enumerate(lengths) if length > args.budget]
     if too_long:
-        raise _UsageError(
+        raise UsageError(
             f"{args.lengths}: lengths[{too_long[0]}] = {lengths[too_long[0]]} is longer than "
             f"--budget {args.budget}"
         )
@@ -145,7 +132,7 @@ def _offline_layout(args: argparse.Namespace):
             lengths, token_budget=args.budget, world_size=args.world_size, action_masks=masks
         )
     except ValueError as exc:
-        raise _UsageError(f"{args.lengths}: {exc}") from None
+        raise UsageError(f"{args.lengths}: {exc}") from None
 
 
 def _served_layout(args: argparse.Namespace):
@@ -184,12 +171,12 @@ def _served_layout(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     try:
         if args.step is not None and (args.lengths or args.example):
-            raise _UsageError("--step draws a served step; it cannot go with --lengths/--example")
+            raise UsageError("--step draws a served step; it cannot go with --lengths/--example")
         try:
             import matplotlib  # noqa: F401  (the `plot` extra)
             from rlfeed.service.metrics.layout_plot import figure_size_px, render_layout_png
         except ImportError:
-            raise _UsageError("matplotlib is not installed: pip install 'rlfeed[plot]'") from None
+            raise UsageError("matplotlib is not installed: pip install 'rlfeed[plot]'") from None
         if args.example:
             layout = _example_layout(args)
         elif args.lengths:
@@ -198,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             layout = _served_layout(args)
         png = render_layout_png(layout)
         Path(args.output).write_bytes(png)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"rlfeed layout: {exc}", file=sys.stderr)
         return 2
     except _SidecarError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlfeed.service.cli.argtypes import positive_int
+from rlfeed.service.cli.argtypes import UsageError, positive_int
 
 DEFAULT_MODEL = "qwen3-8b"
 
@@ -45,26 +45,38 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, purpose: str) -> Non
     )
 
 
+def preset_unless_custom(args, option: str, presets: dict, default: str, given, what: str):
+    """The preset `--option` names (else `default`) when no custom flag is `given`; None when
+    some are (the caller builds the custom one). A usage error for both, or a bad name."""
+    name = getattr(args, option)
+    if name is not None and given:
+        flags = ", ".join(flag(dest) for dest in given)
+        raise UsageError(f"argument --{option}: not allowed with {what.format(flags)}")
+    if given:
+        return None
+    name = name or default
+    if name not in presets:
+        raise UsageError(
+            f"argument --{option}: invalid choice {name!r} (choose from {', '.join(presets)})"
+        )
+    return presets[name]
+
+
 def resolve_arch(args: argparse.Namespace):
-    """The `ModelArch` the flags name; ValueError (a usage error) naming the bad flag."""
+    """The `ModelArch` the flags name; a `UsageError` naming the bad flag."""
     from rlfeed.sched.models import MODELS, ModelArch
 
     given = [dest for dest in ARCH_FLAGS if getattr(args, dest) is not None]
     if args.tied_embeddings:
         given.append("tied_embeddings")
-    if args.model is not None and given:
-        flags = ", ".join(flag(dest) for dest in given)
-        raise ValueError(f"argument --model: not allowed with architecture flags ({flags})")
-    if not given:
-        name = args.model or DEFAULT_MODEL
-        if name not in MODELS:
-            raise ValueError(
-                f"argument --model: invalid choice {name!r} (choose from {', '.join(MODELS)})"
-            )
-        return MODELS[name]
+    preset = preset_unless_custom(
+        args, "model", MODELS, DEFAULT_MODEL, given, "architecture flags ({})"
+    )
+    if preset is not None:
+        return preset
     missing = [flag(dest) for dest in ARCH_FLAGS if getattr(args, dest) is None]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"a custom architecture needs every architecture flag; missing: {', '.join(missing)}"
         )
     fields = {field: getattr(args, dest) for dest, field in ARCH_FLAGS.items()}

@@ -4,28 +4,10 @@
     rlfeed plan --lengths lengths.txt --world-size 8 --model qwen3-0.6b
     rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
 
-FILE holds one length (in tokens) per line; blank lines and `#` comments are ignored, and a
-bad line is reported with its line number. The plan is exactly what a step's assembly does
-(`rlfeed.sched.planning.plan_microbatches`):
-microbatches of at most --budget computed positions (default 131,072), then dealt out to
---world-size ranks (default 1), the same number to each, balanced on predicted compute:
-tokens + W x sum(L^2), with W from the model (--model or the architecture flags, the same
-as `rlfeed estimate`'s; default qwen3-8b, as `[accounting] model`) unless
---attention-weight gives it (0 = balance tokens). For the packed cost model the sequences
-are also re-dealt over the same count when that balances better (--no-spread: keep the
-plain FFD bins and split some of them instead). --json prints one JSON object:
-`microbatches` (0-based sequence indices), `ranks` (microbatch indices per rank, in slot
-order), `num_microbatches` (after balancing, including splits and empty no-op microbatches),
-`num_budget_microbatches` (before balancing), `lower_bound` (ceil(tokens / budget)),
-`padding_share`, `fill` (real tokens / (num_microbatches x budget)),
-`largest_microbatch_tokens` (computed positions of the largest microbatch),
-`rank_imbalance` and `lockstep_efficiency` in tokens, `compute_rank_imbalance` and
-`compute_lockstep_efficiency` in predicted compute (always the model's FLOPs: tokens +
-`compute_weight` x sum(L^2), whatever the plan was balanced with), per rank
-`rank_tokens`, `rank_compute` (token units) and `rank_compute_flops` (forward FLOPs),
-`rank_cost` (the balancing cost), `plan_seconds` and the inputs (`model`,
-`attention_weight` as used, `attention_weight_from`: "model" or "flag"). Errors exit 2 with
-a message on stderr.
+FILE holds one length per line (`#` comments allowed). The plan is exactly a step's
+(`sched.planning.plan_microbatches`): ranks balanced on tokens + W x sum(L^2), W from the
+model (estimate's model flags; default qwen3-8b) unless --attention-weight. --json prints
+the microbatches, ranks' slots and figures in tokens and compute (--help). Errors exit 2.
 """
 
 from __future__ import annotations
@@ -36,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlfeed.service.cli.argtypes import non_negative_float, positive_int
+from rlfeed.service.cli.argtypes import UsageError, non_negative_float, positive_int
 from rlfeed.service.cli.modelflags import add_model_arguments, resolve_arch
 
 DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
@@ -44,11 +26,21 @@ DEFAULT_WORLD_SIZE = 1
 EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service.cli package
 
 
-class _UsageError(Exception):
-    """Bad input: reported on stderr, exit status 2 (argparse's convention)."""
+JSON_EPILOG = (
+    "--json fields: microbatches (0-based sequence indices); ranks (microbatch indices per "
+    "rank, in slot order); num_microbatches (after balancing, with splits and empty no-op "
+    "ones) and num_budget_microbatches (before); lower_bound (ceil(tokens / budget)); "
+    "padding_share; fill (tokens / (num_microbatches x budget)); largest_microbatch_tokens; "
+    "rank_imbalance and lockstep_efficiency in tokens; compute_rank_imbalance and "
+    "compute_lockstep_efficiency in the model's FLOPs (tokens + compute_weight x sum(L^2), "
+    "whatever the plan was balanced with); per rank rank_tokens, rank_compute (token units), "
+    "rank_compute_flops (forward FLOPs) and rank_cost (the balancing cost); plan_seconds; and "
+    "the inputs (model, attention_weight as used, attention_weight_from: model or flag)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = JSON_EPILOG
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--lengths", metavar="FILE", help="one sequence length per line; '-' reads stdin"
@@ -119,11 +111,11 @@ def parse_lengths(text: str, source: str) -> tuple[list[int], list[int]]:
         try:
             value = int(content)
         except ValueError:
-            raise _UsageError(
+            raise UsageError(
                 f"{source}:{number}: expected one whole number of tokens, got {content!r}"
             ) from None
         if value < 1:
-            raise _UsageError(f"{source}:{number}: length must be >= 1, got {value}")
+            raise UsageError(f"{source}:{number}: length must be >= 1, got {value}")
         lengths.append(value)
         line_numbers.append(number)
     return lengths, line_numbers
@@ -138,7 +130,7 @@ def _read(args: argparse.Namespace) -> tuple[str, str]:
     try:
         return Path(args.lengths).read_text(), args.lengths
     except (OSError, UnicodeDecodeError) as exc:
-        raise _UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
+        raise UsageError(f"cannot read --lengths {args.lengths}: {exc}") from None
 
 
 def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
@@ -260,13 +252,13 @@ def run(args: argparse.Namespace) -> int:
         too_long = [i for i, length in enumerate(lengths) if length > args.budget]
         if too_long:
             index = too_long[0]
-            raise _UsageError(
+            raise UsageError(
                 f"{source}:{line_numbers[index]}: sequence {index} has length "
                 f"{lengths[index]}, longer than the token budget {args.budget} "
                 f"({len(too_long)} sequence(s) too long); raise --budget or drop them"
             )
         plan = build_plan(lengths, args)
-    except (_UsageError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:
         print(f"rlfeed plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

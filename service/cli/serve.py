@@ -3,29 +3,10 @@
     rlfeed serve                                  # defaults, embedded local Ray, port 50051
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
-    rlfeed serve --ray-address 10.0.0.5:6379      # join a cluster by its head's address
-    rlfeed serve --metrics-port 9400              # Prometheus /metrics on 127.0.0.1:9400
-    rlfeed serve --replicas 4                     # 4 front-end processes on one port
+    rlfeed serve --metrics-port 9400 --replicas 4 # metrics; 4 front-ends on one port
 
-Prints the resolved configuration (TOML) and then one line `rlfeed serve: listening on
-HOST:PORT` (with --port 0 the port picked). With a metrics port (`--metrics-port`, else
-`[server] metrics_port`; 0, the default, means none) it also serves Prometheus metrics,
-the newest step's layout picture and a health check on `[server] metrics_host` (127.0.0.1
-unless configured, whatever `host` gRPC binds) and prints `rlfeed serve: metrics on
-http://HOST:PORT/metrics`. SIGTERM or Ctrl-C stops it within seconds: the metrics endpoint
-closes, health goes NOT_SERVING, in-flight calls get a short grace period, the scheduler
-actor is killed and an embedded Ray is shut down (a joined cluster keeps running). Joining
-a cluster with token authentication (Ray 2.59+) needs its token, as for any Ray driver:
-RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment. A bad config exits 2 with the key and
-section; a port in use exits 1.
-
-With `--replicas N` (`[server] replicas`) this process starts N-1 more front-ends,
-`rlfeed serve --join` processes on the same port and scheduler actor (see
-`rlfeed.service.replicas.processes`), waits for them before printing the listening line, and stops
-them when it stops. A replica told to stop (SIGTERM) hands its data over and leaves (exit
-0; the sidecar runs on); if one exits otherwise, the whole sidecar stops (exit 1): the
-front-ends hold each other's data. `--join` is that replica mode, for `--replicas` to
-start: it needs `--ray-address` and leaves the actor running when it stops.
+Prints the resolved config, then `rlfeed serve: listening on HOST:PORT`. SIGTERM or Ctrl-C
+stops it within seconds. Exit 2 for a bad config, 1 when it cannot start or a replica dies.
 """
 
 from __future__ import annotations
@@ -81,54 +62,90 @@ def _install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
+class _Exit(Exception):
+    """Leave `run` with this exit status; the reason is already on stderr."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _fail(code: int, reason: object) -> _Exit:
+    print(f"rlfeed serve: {reason}", file=sys.stderr)
+    return _Exit(code)
+
+
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _install_stop_handlers(stop)  # a signal during the slow Ray start-up is honoured too
-
-    from rlfeed.service.config import dump_config, load_config, with_overrides
+    from rlfeed.service.config import dump_config
 
     try:
-        config = load_config(args.config)
-        server_overrides = {
-            key: value
-            for key, value in (
-                ("host", args.host),
-                ("port", args.port),
-                ("metrics_port", args.metrics_port),
-                ("replicas", args.replicas),
-            )
-            if value is not None
-        }
-        config = with_overrides(config, server=server_overrides)
-    except (OSError, ValueError) as exc:
-        print(f"rlfeed serve: {exc}", file=sys.stderr)
-        return 2
-    if args.join and args.ray_address is None:
-        print("rlfeed serve: --join needs --ray-address", file=sys.stderr)
-        return 2
-    print(dump_config(config, args.print_config), flush=True)
+        config = _resolved_config(args)
+        print(dump_config(config, args.print_config), flush=True)
+        _retain_freed_memory(config)
+        exporter = _bound_exporter(config)
+        sidecar = _started_sidecar(config, args, exporter)
+        code = _serve(config, args, stop, sidecar, exporter)
+    except _Exit as exc:
+        return exc.code
+    if args.join and not sidecar.handed_over:  # the first process stops the sidecar
+        print("rlfeed serve: this replica could not hand its data over", file=sys.stderr)
+        return 1
+    print("rlfeed serve: stopped", flush=True)
+    return code
 
+
+def _retain_freed_memory(config) -> None:
     from rlfeed.client.allocator import retain_freed_memory
 
-    # Before numpy, Ray or gRPC start threads (glibc fixes its heaps then); start_server
-    # applies it again, and says so if it cannot.
+    # NOTE: before numpy, Ray or gRPC start threads: glibc fixes its heaps then.
+    # start_server applies it again, and says so if it cannot.
     retain_freed_memory(config.server.retained_free_mib * 2**20, single_arena=True)
 
-    from rlfeed.service.frontend.server import start_server
-    from rlfeed.service.metrics.exporter import SidecarExporter
-    from rlfeed.service.replicas.processes import start_replicas
 
-    exporter = SidecarExporter(config) if config.server.metrics_port else None
-    if exporter is not None:
-        # Bound before anything starts: a taken port fails at once, and a replica fails
-        # before it registers with the actor, so the first process's start reports it.
-        try:
-            exporter.start(actor=None)
-        except OSError as exc:  # names the address
-            print(f"rlfeed serve: {exc}", file=sys.stderr)
-            return 1
+def _resolved_config(args: argparse.Namespace):
+    """The config file with the flags' [server] overrides; exit 2 on a bad one."""
+    from rlfeed.service.config import load_config, with_overrides
+
+    flags = (
+        ("host", args.host),
+        ("port", args.port),
+        ("metrics_port", args.metrics_port),
+        ("replicas", args.replicas),
+    )
     try:
-        sidecar = start_server(
+        config = load_config(args.config)
+        config = with_overrides(config, server={k: v for k, v in flags if v is not None})
+    except (OSError, ValueError) as exc:
+        raise _fail(2, exc) from None
+    if args.join and args.ray_address is None:
+        raise _fail(2, "--join needs --ray-address")
+    return config
+
+
+def _bound_exporter(config):
+    """The metrics exporter, its port bound, or None without a metrics port. Bound before
+    anything starts: a taken port fails at once, and a replica fails before it registers
+    with the actor, so the first process's start reports it."""
+    from rlfeed.service.metrics.exporter import SidecarExporter
+
+    if not config.server.metrics_port:
+        return None
+    exporter = SidecarExporter(config)
+    try:
+        exporter.start(actor=None)
+    except OSError as exc:  # names the address
+        raise _fail(1, exc) from None
+    return exporter
+
+
+def _started_sidecar(config, args: argparse.Namespace, exporter):
+    """`start_server`; on failure the exporter is stopped (exit 1 for a start-up error)."""
+    from rlfeed.service.frontend.server import start_server
+
+    try:
+        return start_server(
             config,
             ray_address=args.ray_address,
             events=exporter.events if exporter is not None else None,
@@ -139,8 +156,14 @@ def run(args: argparse.Namespace) -> int:
             exporter.stop()
         if not isinstance(exc, (RuntimeError, ValueError)):  # ValueError: --join, no actor
             raise
-        print(f"rlfeed serve: {exc}", file=sys.stderr)
-        return 1
+        raise _fail(1, exc) from None
+
+
+def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exporter) -> int:
+    """Start the other front-ends, announce, serve until stopped (the exit status); the
+    replicas, the exporter and the sidecar are stopped on every path."""
+    from rlfeed.service.replicas.processes import start_replicas
+
     replicas = None
     try:
         if exporter is not None:
@@ -149,26 +172,16 @@ def run(args: argparse.Namespace) -> int:
             try:
                 replicas = start_replicas(config, sidecar.port, sidecar.actor)
             except RuntimeError as exc:
-                print(f"rlfeed serve: {exc}", file=sys.stderr)
-                return 1
+                raise _fail(1, exc) from None
         _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
         if exporter is not None:
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
-        code = 0
-        while not stop.wait(0.5):
-            if replicas is None:
-                continue
-            for left in replicas.newly_left():
-                print(f"rlfeed serve: {left}, its data handed over", flush=True)
-            problem = replicas.exited()
-            if problem is not None:
-                print(f"rlfeed serve: {problem}; stopping the sidecar", file=sys.stderr)
-                code = 1
-                break
+        code = _wait_for_stop(stop, replicas)
         print("rlfeed serve: stopping", flush=True)
+        return code
     finally:
         try:
             if replicas is not None:
@@ -177,8 +190,17 @@ def run(args: argparse.Namespace) -> int:
                 exporter.stop()
         finally:
             sidecar.stop(grace=2.0)
-    if args.join and not sidecar.handed_over:  # the first process stops the sidecar
-        print("rlfeed serve: this replica could not hand its data over", file=sys.stderr)
-        return 1
-    print("rlfeed serve: stopped", flush=True)
-    return code
+
+
+def _wait_for_stop(stop: threading.Event, replicas) -> int:
+    """0 once asked to stop; 1 as soon as a replica exits other than by handing over."""
+    while not stop.wait(0.5):
+        if replicas is None:
+            continue
+        for left in replicas.newly_left():
+            print(f"rlfeed serve: {left}, its data handed over", flush=True)
+        problem = replicas.exited()
+        if problem is not None:
+            print(f"rlfeed serve: {problem}; stopping the sidecar", file=sys.stderr)
+            return 1
+    return 0

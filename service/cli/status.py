@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from rlfeed.service.cli.argtypes import DEFAULT_ADDRESS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

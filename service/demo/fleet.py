@@ -1,16 +1,11 @@
 """A synthetic inference fleet for `rlfeed demo`: tasks with hidden pass rates, long-tailed
 episodes, binary rewards.
 
-Each task has a hidden pass rate that improves every time one of its groups carries a
-learning signal (mixed rewards: a group whose rewards are all equal has zero advantage and
-teaches nothing). Episodes look like an agent's: a prompt, then turns of policy tokens
-(action mask 1) interleaved with tool output (mask 0), with a log-normal, long-tailed number
-of tokens per episode. The fleet asks the sidecar which tasks to run (`sample_tasks`), rolls
-a group of `group_size` episodes per task and submits them with a `RolloutWriter`.
-
-The sampler's log-probs come from a caller-supplied `score` function (the demo passes the
-trainer's initial policy, so the step-0 trainer/sampler ratio is exactly 1 when packing is
-correct); without one they are plausible random values.
+A task's hidden pass rate improves each time one of its groups has mixed rewards (a
+learning signal). Episodes look like an agent's: a prompt, then policy turns (mask 1)
+interleaved with tool output (mask 0), log-normal in length. Log-probs come from the
+caller's `score` (the demo's initial policy, so the step-0 ratio is exactly 1 when packing
+is correct).
 """
 
 from __future__ import annotations

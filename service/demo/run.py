@@ -1,17 +1,10 @@
 """What `rlfeed demo` runs: sidecar (unless given an address), fleet thread, trainer processes.
 
-The fleet runs in this process (a thread) and stays at most two steps ahead of the trainers;
-the two trainer ranks are separate processes (`python -m rlfeed.service.demo.trainer`) with
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set as torchrun would set them. Rank 0 prints
-one line per step and appends its figures to a JSON-lines file, which the summary reads.
-The fleet stops producing once the groups of the last step to train are in, so the sidecar
-assembles exactly the steps trained (the summary and the metrics then count the same steps).
-Every started thing is stopped on every path (`try/finally`).
-
-The summary prices each trained step with `metric_figures.price_tokens` under the config's
-`[accounting]`, the function and assumptions the metrics use: from the sidecar's own step
-records when the demo runs it (embedded), else from rank 0's figures (a running sidecar:
-positions computed = tokens, which is what the demo trainer's varlen attention computes).
+The fleet runs here on a thread, at most STEPS_AHEAD steps ahead of the trainers, and stops
+once the last trained step's groups are in, so the sidecar assembles exactly the steps
+trained; the ranks are `python -m rlfeed.service.demo.trainer` processes with torchrun's
+variables. The summary prices each step with `metrics.figures.price_tokens` under
+`[accounting]`, as the metrics do. Everything started is stopped on every path.
 """
 
 from __future__ import annotations
@@ -24,12 +17,22 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from rlfeed.service.cli.demo import DEMO_OVERRIDES
+from typing import Any
 
 # Sampled groups the fleet keeps in flight ahead of the trainers, in steps.
 STEPS_AHEAD = 2
+# The demo's sidecar settings where they differ from `rlfeed serve`'s defaults: a token
+# budget the tiny model handles on CPU, the fleet's vocabulary, two ranks, and dropping
+# zero-advantage groups so every step carries gradient. Defined here, the one module that
+# uses them: `cli/demo.py` imports this module lazily, and nothing points back.
+DEMO_OVERRIDES = {
+    "server": {"port": 0},
+    "batching": {"token_budget": 2048, "world_size": 2},
+    "rollouts": {"prompts_per_step": 8, "group_size": 8, "vocab_size": 512},
+    "advantages": {"drop_zero_advantage": True},
+}
 
 
 def _free_port() -> int:
@@ -63,28 +66,15 @@ def run_demo(
     """Start what is missing, train `steps` steps, print the summary; 0 on success.
     `metrics_port` (embedded sidecar only) overrides `[server] metrics_port`."""
     import torch
-    from rlfeed.client.producer import RolloutWriter
-    from rlfeed.client.transport import GrpcTransport
-    from rlfeed.service.demo.fleet import FleetConfig, FleetStats, SyntheticTasks, run_fleet
-    from rlfeed.service.demo.trainer import TinyCausalLM, TinyModelConfig, sequence_log_probs
 
     torch.set_num_threads(1)
     started = time.monotonic()
     config = _load_config(config_path, metrics_port)
     sidecar = exporter = None
     if address is None:
-        from rlfeed.service.frontend.server import start_server
-        from rlfeed.service.metrics.exporter import SidecarExporter
-
-        print("starting the sidecar on an embedded local Ray ...", flush=True)
-        if config.server.metrics_port:
-            exporter = SidecarExporter(config)
-        sidecar = start_server(config, events=exporter.events if exporter else None)
+        sidecar, exporter = _start_embedded_sidecar(config)
         address = sidecar.address
-    trainers: list[subprocess.Popen] = []
-    stop_fleet = threading.Event()
-    fleet_thread = None
-    transport = None
+    running = _Running()
     workdir = tempfile.TemporaryDirectory(prefix="rlfeed-demo-")
     try:
         if exporter is not None:
@@ -97,88 +87,18 @@ def run_demo(
                 f"metrics: {exporter.url}/metrics, layout picture: {exporter.url}/layout.png",
                 flush=True,
             )
-        transport = GrpcTransport(address)
-        status = transport.status()
-        world_size, start_step = int(status.world_size), int(status.next_step)
-        print(
-            f"sidecar {address}: world_size {world_size}, {status.prompts_per_step} prompts x "
-            f"{status.group_size} rollouts per step, token budget {status.token_budget:,}",
-            flush=True,
-        )
-        fleet_config = FleetConfig(
-            group_size=int(status.group_size),
-            tasks_per_request=int(status.prompts_per_step),
-            max_tokens=min(2048, int(status.token_budget)),
+        return _train(
+            running,
+            address,
+            steps=steps,
             seed=seed,
+            workdir=Path(workdir.name),
+            sidecar=sidecar,
+            config=config,
+            started=started,
         )
-        tasks = SyntheticTasks(fleet_config)
-        sampler = TinyCausalLM(TinyModelConfig(vocab_size=fleet_config.vocab_size, seed=seed))
-        writer = RolloutWriter(transport, max_batch_rollouts=int(status.group_size) * 4)
-        writer.register_tasks(tasks.task_ids)
-        summary_path = Path(workdir.name) / "steps.jsonl"
-        trainers = _start_trainers(address, world_size, steps, start_step, seed, summary_path)
-
-        fleet_stats = FleetStats()
-        fleet_failed = threading.Event()
-        progress = {"version": start_step}
-
-        def ready() -> bool:
-            now = transport.status()
-            progress["version"] = _trained_steps(now, world_size, start_step)
-            coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
-            queued = now.next_step - progress["version"]
-            # Nothing for steps nobody trains: a round adds at most one step's groups, so
-            # the sidecar assembles exactly start_step + steps steps.
-            needed = now.next_step + coming < start_step + steps
-            return needed and queued + coming < STEPS_AHEAD
-
-        def fleet() -> None:
-            try:
-                run_fleet(
-                    writer,
-                    tasks,
-                    stop=stop_fleet,
-                    policy_version=lambda: progress["version"],
-                    score=lambda ids: sequence_log_probs(sampler, ids),
-                    ready=ready,
-                    stats=fleet_stats,
-                )
-            except Exception as exc:  # reported, and the run stops: trainers would starve
-                print(f"fleet stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                fleet_failed.set()
-
-        fleet_thread = threading.Thread(target=fleet, name="rlfeed-demo-fleet", daemon=True)
-        fleet_thread.start()
-        failed = _wait_for(trainers, abort=fleet_failed)
-        stop_fleet.set()
-        fleet_thread.join()
-        writer.close()
-        if fleet_failed.is_set():
-            print("rlfeed demo: the synthetic fleet failed", file=sys.stderr)
-            return 1
-        if failed:
-            print(f"rlfeed demo: trainer rank(s) {failed} failed", file=sys.stderr)
-            return 1
-        figures = [json.loads(line) for line in summary_path.read_text().splitlines()]
-        records = {}
-        if sidecar is not None:
-            import ray
-
-            records = {r.step: r for r in ray.get(sidecar.actor.step_records.remote(start_step))}
-        _print_summary(
-            figures, records, fleet_stats, transport.status(), config, time.monotonic() - started
-        )
-        return 0 if len(figures) == steps else 1
     finally:
-        stop_fleet.set()
-        for process in trainers:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        if fleet_thread is not None:
-            fleet_thread.join(timeout=10)
-        if transport is not None:
-            transport.close()
+        running.stop()
         try:
             if exporter is not None:
                 exporter.stop()
@@ -186,6 +106,136 @@ def run_demo(
             if sidecar is not None:
                 sidecar.stop(grace=1.0)
             workdir.cleanup()
+
+
+def _start_embedded_sidecar(config):
+    """(sidecar, exporter or None) on an embedded local Ray; the exporter not yet bound."""
+    from rlfeed.service.frontend.server import start_server
+    from rlfeed.service.metrics.exporter import SidecarExporter
+
+    print("starting the sidecar on an embedded local Ray ...", flush=True)
+    exporter = SidecarExporter(config) if config.server.metrics_port else None
+    sidecar = start_server(config, events=exporter.events if exporter else None)
+    return sidecar, exporter
+
+
+@dataclass
+class _Running:
+    """What the demo started beside the sidecar, stopped on every path by `stop`."""
+
+    stop_fleet: threading.Event = field(default_factory=threading.Event)
+    trainers: list[subprocess.Popen] = field(default_factory=list)
+    fleet_thread: threading.Thread | None = None
+    transport: Any = None
+
+    def stop(self) -> None:
+        self.stop_fleet.set()
+        for process in self.trainers:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        if self.fleet_thread is not None:
+            self.fleet_thread.join(timeout=10)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _train(
+    running: _Running, address: str, *, steps, seed, workdir: Path, sidecar, config, started
+) -> int:
+    """Fleet and trainers against the sidecar at `address` until `steps` steps are trained,
+    then the summary; the exit status (a failure's reason on stderr)."""
+    from rlfeed.client.transport import GrpcTransport
+
+    running.transport = transport = GrpcTransport(address)
+    status = transport.status()
+    world_size, start_step = int(status.world_size), int(status.next_step)
+    print(
+        f"sidecar {address}: world_size {world_size}, {status.prompts_per_step} prompts x "
+        f"{status.group_size} rollouts per step, token budget {status.token_budget:,}",
+        flush=True,
+    )
+    fleet = _DemoFleet(transport, status, seed=seed, end_step=start_step + steps)
+    summary_path = workdir / "steps.jsonl"
+    running.trainers = _start_trainers(address, world_size, steps, start_step, seed, summary_path)
+    running.fleet_thread = threading.Thread(
+        target=fleet.run, args=(running.stop_fleet,), name="rlfeed-demo-fleet", daemon=True
+    )
+    running.fleet_thread.start()
+    failed = _wait_for(running.trainers, abort=fleet.failed)
+    running.stop_fleet.set()
+    running.fleet_thread.join()
+    fleet.writer.close()
+    if fleet.failed.is_set():
+        print("rlfeed demo: the synthetic fleet failed", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"rlfeed demo: trainer rank(s) {failed} failed", file=sys.stderr)
+        return 1
+    figures = [json.loads(line) for line in summary_path.read_text().splitlines()]
+    records = {}
+    if sidecar is not None:
+        import ray
+
+        records = {r.step: r for r in ray.get(sidecar.actor.step_records.remote(start_step))}
+    seconds = time.monotonic() - started
+    _print_summary(figures, records, fleet.stats, transport.status(), config, seconds)
+    return 0 if len(figures) == steps else 1
+
+
+class _DemoFleet:
+    """The synthetic fleet, run on a thread: it samples tasks and submits their groups with
+    a `RolloutWriter`, at most STEPS_AHEAD steps ahead of the trainers."""
+
+    def __init__(self, transport, status, *, seed: int, end_step: int) -> None:
+        from rlfeed.client.producer import RolloutWriter
+        from rlfeed.service.demo.fleet import FleetConfig, FleetStats, SyntheticTasks
+        from rlfeed.service.demo.trainer import TinyCausalLM, TinyModelConfig
+
+        config = FleetConfig(
+            group_size=int(status.group_size),
+            tasks_per_request=int(status.prompts_per_step),
+            max_tokens=min(2048, int(status.token_budget)),
+            seed=seed,
+        )
+        self.transport = transport
+        self.world_size = int(status.world_size)
+        self.start_step, self.end_step = int(status.next_step), end_step
+        self.version = self.start_step  # the policy version the fleet samples with
+        self.tasks = SyntheticTasks(config)
+        self.sampler = TinyCausalLM(TinyModelConfig(vocab_size=config.vocab_size, seed=seed))
+        self.writer = RolloutWriter(transport, max_batch_rollouts=int(status.group_size) * 4)
+        self.writer.register_tasks(self.tasks.task_ids)
+        self.stats = FleetStats()
+        self.failed = threading.Event()
+
+    def ready(self) -> bool:
+        now = self.transport.status()
+        self.version = _trained_steps(now, self.world_size, self.start_step)
+        coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
+        queued = now.next_step - self.version
+        # Nothing for steps nobody trains: a round adds at most one step's groups, so
+        # the sidecar assembles exactly start_step + steps steps.
+        needed = now.next_step + coming < self.end_step
+        return needed and queued + coming < STEPS_AHEAD
+
+    def run(self, stop: threading.Event) -> None:
+        from rlfeed.service.demo.fleet import run_fleet
+        from rlfeed.service.demo.trainer import sequence_log_probs
+
+        try:
+            run_fleet(
+                self.writer,
+                self.tasks,
+                stop=stop,
+                policy_version=lambda: self.version,
+                score=lambda ids: sequence_log_probs(self.sampler, ids),
+                ready=self.ready,
+                stats=self.stats,
+            )
+        except Exception as exc:  # reported, and the run stops: trainers would starve
+            print(f"fleet stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self.failed.set()
 
 
 def _trained_steps(status, world_size: int, start_step: int) -> int:
@@ -241,7 +291,7 @@ def _wait_for(processes: list[subprocess.Popen], abort: threading.Event) -> list
         time.sleep(0.1)
 
 
-def _step_prices(figures, records, cost):
+def _step_prices(figures, records, accounting):
     """(real tokens, computed positions, padded positions, StepPrice) of every trained step:
     the sidecar's record of it when known (with its compute lockstep efficiency), else rank
     0's figures (priced at full lockstep)."""
@@ -259,7 +309,7 @@ def _step_prices(figures, records, cost):
             computed, padded = real, figure["padded_positions"]
             lockstep = 1.0
         price = price_tokens(
-            cost,
+            accounting,
             policy_tokens=policy,
             real_tokens=real,
             computed_positions=computed,
@@ -271,8 +321,8 @@ def _step_prices(figures, records, cost):
 
 
 def _print_summary(figures, records, fleet_stats, status, config, seconds: float) -> None:
-    from rlfeed.service.metrics.figures import SECONDS_PER_HOUR, share
-    from rlfeed.service.metrics.recorder import MetricsConfig
+    from rlfeed.sched.assembly import share
+    from rlfeed.service.metrics.figures import SECONDS_PER_HOUR
 
     steps = len(figures)
     tokens = sum(f["tokens"] for f in figures)
@@ -281,8 +331,8 @@ def _print_summary(figures, records, fleet_stats, status, config, seconds: float
     zero_share = fleet_stats.zero_advantage_groups / max(fleet_stats.groups, 1)
     uniform_share = fleet_stats.expected_uniform_zero_advantage_groups / max(fleet_stats.groups, 1)
     dropped = status.counters.zero_advantage_rollouts_dropped
-    cost = MetricsConfig.from_sidecar_config(config).cost
-    priced = _step_prices(figures, records, cost)
+    accounting = config.accounting
+    priced = _step_prices(figures, records, accounting)
     real = sum(p[0] for p in priced)
     computed = sum(p[1] for p in priced)
     padded = sum(p[2] for p in priced)
@@ -312,7 +362,7 @@ def _print_summary(figures, records, fleet_stats, status, config, seconds: float
         "final loss": f"{figures[-1]['loss']:+.4f}",
         "predicted GPU-hours per step": (
             f"{gpu_hours:.4g} packed vs {padded_hours:.4g} padded "
-            f"({cost.model} on {cost.gpu}, at these steps' token counts)"
+            f"({accounting.model} on {accounting.gpu}, at these steps' token counts)"
         ),
         "wall time": f"{seconds:.1f} s",
     }

@@ -1,24 +1,13 @@
 """A trainer rank for `rlfeed demo`: a tiny causal transformer trained with GRPO on served steps.
 
-Run one process per rank with torchrun's variables set (the demo does this itself):
-
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m rlfeed.service.demo.trainer --address 127.0.0.1:50051 --steps 4
 
-Each rank pulls its microbatches with `BatchLoader` and scores each packed row with
-`DistributedDataParallel(PackedLogProbs(body=model, output=model.embed))` (restarted position
-ids; attention confined to each sequence by `cu_seqlens`, as a varlen kernel does;
-checkpointed per-token log-probs), then takes the clipped GRPO loss with
-`policy_loss(mode="constant")`. The fleet samples with the initial weights,
-so the step-0 ratio outlier share checks packing (it must be 0), and later steps' shares
-measure how far the policy has moved from the sampler.
-
-Normalization across ranks: every rank divides its token-loss sum by
-`rank_norm_const(N, world_size) = N / world_size`, where N is the step's served global
-policy-token count, and DDP all-reduces the gradients as sum / world_size, once per step
-(`no_sync()` until the last microbatch; every rank runs as many, no-op ones included).
-The result is grad(sum over every policy token of the step / N): the exact step mean,
-whatever the microbatch split and rank count.
+Each rank pulls microbatches with `BatchLoader` and scores packed rows with
+`DistributedDataParallel(PackedLogProbs(body=model, output=model.embed))` (varlen
+attention, checkpointed log-probs), then divides its loss sum by N / world_size (N: the
+step's global policy-token count); DDP's sum / world_size all-reduce, once per step, gives
+the exact step mean whatever the split. The step-0 ratio outlier share checks packing.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Server-side wire <-> array conversion: the one place Arrow and protobuf meet numpy.
 
-Ingest: `RolloutBatch.arrow_ipc` (the Arrow IPC stream documented in `proto/rlfeed.proto`)
--> `RolloutBatchArrays`: per-rollout metadata arrays plus flat per-token columns. The flat
-columns alias the Arrow buffers (zero-copy) when the producer sent the documented dtypes;
-other integer/float widths are cast once, safely (an overflowing cast is an error).
-
-Serving: `sched.assembly.Microbatch` -> `rlfeed.v1.Microbatch` (one Arrow IPC stream per
-microbatch; `service/materialize.py` assembles a rank's microbatches into the serialized
-`GetBatchResponse` bytes that are served as-is). Status: the scheduler's snapshot and step
-records -> `StatusResponse` / `StepStats`.
-
-Contract checks that need more than decoding (lengths per rollout, NaN, ranges, ...) live
-in `rlfeed.service.frontend.validation`.
+Ingest: `RolloutBatch.arrow_ipc` -> `RolloutBatchArrays` (flat per-token columns that alias
+the Arrow buffers when the producer sent the documented dtypes; other widths are cast once,
+safely). Serving: a materialized microbatch -> its `Microbatch` wire bytes, joined into a
+rank's `GetBatchResponse`. Status: the scheduler's snapshot -> `StatusResponse`. Checks
+beyond decoding are in `frontend.validation`.
 """
 
 from __future__ import annotations
@@ -24,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 from rlfeed import __version__
-from rlfeed.client.arrow_codec import ipc_stream_pieces
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.proto.ipc_framing import ipc_stream_pieces
 from rlfeed.proto.wire import length_delimited, split_field
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 
@@ -34,10 +27,6 @@ if TYPE_CHECKING:  # records.py imports this module; only the annotations need t
     from rlfeed.service.config import SidecarConfig
     from rlfeed.service.scheduler.records import StatusSnapshot, StepRecord
 
-# ROLLOUT_SCHEMA (string/list columns may also arrive as large_*) and MICROBATCH_SCHEMA
-# come from rlfeed.proto.arrow_schemas.
-
-_LIST_COLUMNS = ("token_ids", "action_mask", "sampler_logprobs")
 # Mean rollout length from which policy tokens are counted rollout by rollout (a numpy call
 # each) rather than by one widening reduceat over the whole mask.
 _COUNT_PER_ROLLOUT_TOKENS = 512
@@ -233,49 +222,6 @@ def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
         mask_offsets=mask_offsets,
         logprob_offsets=logprob_offsets,
     )
-
-
-def encode_rollout_batch(
-    *,
-    rollout_ids: Sequence[str],
-    task_ids: Sequence[str],
-    group_ids: Sequence[str],
-    policy_versions: Sequence[int],
-    rewards: Sequence[float],
-    token_ids: Sequence[np.ndarray],
-    action_mask: Sequence[np.ndarray],
-    sampler_logprobs: Sequence[np.ndarray],
-) -> bytes:
-    """Per-rollout arrays -> Arrow IPC stream bytes in ROLLOUT_SCHEMA (tests and tools).
-
-    Each list column gets its own offsets, so a length mismatch is representable (and is
-    then rejected by validation, which is what the tests want to exercise).
-    """
-
-    def list_array(arrays: Sequence[np.ndarray], dtype: type) -> pa.ListArray:
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-        values = (
-            np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
-            if len(arrays)
-            else np.zeros(0, dtype)
-        )
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-    batch = pa.RecordBatch.from_arrays(
-        [
-            pa.array(list(rollout_ids), pa.string()),
-            pa.array(list(task_ids), pa.string()),
-            pa.array(list(group_ids), pa.string()),
-            pa.array(np.asarray(policy_versions, dtype=np.int64)),
-            pa.array(np.asarray(rewards, dtype=np.float64)),
-            list_array(token_ids, np.int32),
-            list_array(action_mask, np.uint8),
-            list_array(sampler_logprobs, np.float32),
-        ],
-        schema=ROLLOUT_SCHEMA,
-    )
-    return _ipc_bytes(batch)
 
 
 def _ipc_buffer(batch: pa.RecordBatch) -> pa.Buffer:

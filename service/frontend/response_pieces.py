@@ -8,7 +8,7 @@ and the only write to fresh memory.
 
 The Arrow IPC framing (schema message, record-batch metadata, padding, end-of-stream) of a
 record batch of T rows without nulls depends on T and the schema only, never on the values:
-`client.ipc_framing` writes it around the column pieces. Where it cannot (a pyarrow whose
+`proto.ipc_framing` writes it around the column pieces. Where it cannot (a pyarrow whose
 writer lays the messages out differently), the microbatch is encoded the straightforward
 way instead (same bytes, slower).
 """
@@ -19,9 +19,9 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
-from rlfeed.client.arrow_codec import microbatch_framing
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.proto.ipc_framing import microbatch_framing
 from rlfeed.sched.assembly import Microbatch, StepPlan, TokenColumns
 from rlfeed.sched.gather import (
     COLUMN_DTYPES,
@@ -46,7 +46,7 @@ def thread_scratch() -> TokenScratch:
 def arrow_stream_pieces(columns: dict[str, list], num_tokens: int) -> tuple[list, int] | None:
     """(the Arrow IPC stream of one MICROBATCH_SCHEMA record batch whose columns are the
     concatenated `columns` pieces, as buffers to join; its size), or None where pyarrow's
-    writer lays its messages out in a way `client.ipc_framing` does not know (then encode
+    writer lays its messages out in a way `proto.ipc_framing` does not know (then encode
     another way).
 
     `columns`: name -> pieces of num_tokens values each in total (MICROBATCH_SCHEMA order);

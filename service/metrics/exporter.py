@@ -1,22 +1,12 @@
-"""The gRPC front-end's hooks wired to the Prometheus metrics, and the exporter of a sidecar.
+"""The gRPC front-end's hooks wired to the Prometheus metrics, and a sidecar's exporter.
 
-`MetricsEvents` is the `ServerEvents` that forwards every hook to `RlfeedMetrics` (pure
-translation: record fields in, metric updates out). `SidecarExporter` is what `rlfeed serve`
-and `rlfeed demo` run: the metrics, those hooks, a refresh that pulls the scheduler actor's
-levels (buffer, filter sizes, every task's pass-rate estimate) before a scrape, and the HTTP
-endpoint on `[server] metrics_host`:`metrics_port`:
+`MetricsEvents` is the `ServerEvents` that forwards each hook to `SidecarMetrics` (record
+fields in, metric updates out; it runs on the handler threads and only updates memory).
+`SidecarExporter` is what `rlfeed serve` and `rlfeed demo` run: the metrics, those hooks, a
+refresh that pulls the actor's levels before a scrape, and the HTTP endpoint. Order:
 
-    exporter = SidecarExporter(config)
-    sidecar = start_server(config, events=exporter.events)
-    try:
-        exporter.start(sidecar.actor)   # serves /metrics, /layout.png, /healthz
-        ...
-    finally:
-        exporter.stop()                 # before the actor goes away
-        sidecar.stop()
-
-Nothing here starts at import; the hooks run on the gRPC handler threads and only update
-in-memory metrics (the layout picture is rendered when someone asks for /layout.png).
+    exporter = SidecarExporter(config); sidecar = start_server(config, events=exporter.events)
+    exporter.start(sidecar.actor) ... exporter.stop() before sidecar.stop()
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import reject_reason
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.metrics.http import MetricsServer
-from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics
+from rlfeed.service.metrics.recorder import MetricsConfig, SidecarMetrics
 from rlfeed.service.scheduler.records import IngestResult, SampleResult, StepRecord
 
 # A scrape waits at most this long for the scheduler actor's levels (a busy or dead actor
@@ -48,7 +38,7 @@ class MetricsEvents(ServerEvents):
     each metric means). Stale rollouts count both the batch's own and those of buffered groups the
     batch made stale, as the scheduler's `rollouts_stale` counter does."""
 
-    def __init__(self, metrics: RlfeedMetrics, config: SidecarConfig) -> None:
+    def __init__(self, metrics: SidecarMetrics, config: SidecarConfig) -> None:
         self.metrics = metrics
         self._token_budget = config.batching.token_budget
         self._group_size = config.rollouts.group_size
@@ -96,7 +86,7 @@ class MetricsEvents(ServerEvents):
 
 
 def scheduler_refresh(
-    metrics: RlfeedMetrics, actor: Any, *, timeout_s: float = REFRESH_TIMEOUT_SECONDS
+    metrics: SidecarMetrics, actor: Any, *, timeout_s: float = REFRESH_TIMEOUT_SECONDS
 ) -> Callable[[], None]:
     """The `set_refresh` callable of a Ray-hosted scheduler: one round trip for its status
     and every task's pass-rate estimate, fed to `metrics.on_status`."""
@@ -119,7 +109,7 @@ class SidecarExporter:
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
-        self.metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
+        self.metrics = SidecarMetrics(MetricsConfig.from_sidecar_config(config))
         self.events = MetricsEvents(self.metrics, config)
         self.http: MetricsServer | None = None
 

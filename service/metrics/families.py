@@ -4,7 +4,7 @@ Names follow Prometheus conventions: the `rlfeed_` prefix, base units (`_seconds
 GPU time in `_gpu_seconds`), `_total` on counters (prometheus_client appends it), `_ratio`
 on gauges in [0, 1]. Labels come from small fixed sets (`reason`, `phase`, `filter`) or are
 `rank` (< world_size); every labelled series that can be known up front exists from the
-start at 0, so dashboards and alerts see zeros rather than missing series. `RlfeedMetrics`
+start at 0, so dashboards and alerts see zeros rather than missing series. `SidecarMetrics`
 (rlfeed.service.metrics.recorder) decides what to record; this module only declares and sets.
 """
 
@@ -19,7 +19,8 @@ from prometheus_client.core import GaugeHistogramMetricFamily
 from rlfeed.service.errors import RejectReason
 
 if TYPE_CHECKING:
-    from rlfeed.service.metrics.figures import CostAssumptions, StepFigures, StepPrice
+    from rlfeed.service.config import AccountingConfig
+    from rlfeed.service.metrics.figures import StepFigures, StepPrice
 
 # Why a batch was rejected (the `reason` label): RejectReason's values.
 REJECT_REASONS: tuple[str, ...] = tuple(reason.value for reason in RejectReason)
@@ -61,7 +62,7 @@ class PassRateHistogram:
 class MetricFamilies:
     """Every rlfeed metric, as attributes; `observe_step` sets the per-step ones."""
 
-    def __init__(self, cost: CostAssumptions, zero_advantage_window_steps: int) -> None:
+    def __init__(self, accounting: AccountingConfig, zero_advantage_window_steps: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -71,7 +72,7 @@ class MetricFamilies:
             return Gauge(name, doc, labels, registry=r)
 
         Info("rlfeed_accounting", "Presets and MFU that price steps.", registry=r).info(
-            {"model": cost.model, "gpu": cost.gpu, "mfu": repr(cost.mfu)}
+            {"model": accounting.model, "gpu": accounting.gpu, "mfu": repr(accounting.mfu)}
         )
         # Ingest.
         self.ingest_batches = counter("rlfeed_ingest_batches", "Rollout batches acknowledged.")
@@ -269,23 +270,24 @@ class MetricFamilies:
 
     def observe_step(self, f: StepFigures, price: StepPrice) -> None:
         """Set the newest-step gauges and add the step to the counters."""
+        r = f.record
         for gauge, value in (
-            (self.step, f.step),
-            (self.step_rollouts, f.num_rollouts),
-            (self.step_policy_tokens, f.policy_token_count),
-            (self.step_real_tokens, f.real_tokens),
-            (self.step_computed, f.computed_positions),
-            (self.step_padded, f.padded_positions),
+            (self.step, r.step),
+            (self.step_rollouts, r.num_rollouts),
+            (self.step_policy_tokens, r.policy_token_count),
+            (self.step_real_tokens, r.real_tokens),
+            (self.step_computed, r.computed_positions),
+            (self.step_padded, r.padded_positions),
             (self.step_padding, f.padding_ratio),
             (self.step_padded_padding, f.padded_alternative_padding_ratio),
             (self.step_fill, f.fill_ratio),
             (self.step_microbatches, f.microbatches),
-            (self.step_microbatches_per_rank, f.microbatches_per_rank),
-            (self.step_largest, f.largest_microbatch_positions),
+            (self.step_microbatches_per_rank, r.microbatches_per_rank),
+            (self.step_largest, r.largest_microbatch_positions),
             (self.step_imbalance, f.rank_imbalance_excess),
-            (self.step_lockstep, f.lockstep_efficiency),
+            (self.step_lockstep, r.lockstep_efficiency),
             (self.step_compute_imbalance, f.compute_rank_imbalance_excess),
-            (self.step_compute_lockstep, f.compute_lockstep_efficiency),
+            (self.step_compute_lockstep, r.compute_lockstep_efficiency),
             (self.step_token_budget, f.token_budget),
             (self.step_avoided_gpu_seconds, price.padding_avoided_gpu_seconds),
         ):
@@ -294,11 +296,11 @@ class MetricFamilies:
         self.step_zero_share.set(zero / groups if groups else 0.0)
         for counter, amount in (
             (self.steps_assembled, 1),
-            (self.rollouts_trained, f.num_rollouts),
-            (self.policy_tokens, f.policy_token_count),
-            (self.real_tokens, f.real_tokens),
-            (self.computed_positions, f.computed_positions),
-            (self.padded_positions, f.padded_positions),
+            (self.rollouts_trained, r.num_rollouts),
+            (self.policy_tokens, r.policy_token_count),
+            (self.real_tokens, r.real_tokens),
+            (self.computed_positions, r.computed_positions),
+            (self.padded_positions, r.padded_positions),
             (self.microbatches, f.microbatches),
             (self.budget_tokens, f.microbatches * f.token_budget),
             (self.groups, groups),

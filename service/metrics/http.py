@@ -1,19 +1,11 @@
 """The metrics HTTP endpoint: `/metrics` for Prometheus, `/layout.png` for people.
 
-A small `ThreadingHTTPServer` on its own port, bound to 127.0.0.1 unless told otherwise,
-started and stopped explicitly (nothing happens at import):
-
-    server = MetricsServer(metrics, host="127.0.0.1", port=9400).start()
-    ...
-    server.stop()
-
-Routes:
-- `/metrics`: the registry in Prometheus text format 0.0.4.
-- `/layout.png`: the newest step's padded-vs-packed picture, rendered on first request and
-  cached (404 before the first step with a layout, 501 without matplotlib); a Grafana text
-  panel can embed it with `<img src="http://HOST:PORT/layout.png">`.
-- `/healthz`: "ok" (the endpoint is up; `rlfeed serve` binds it before the sidecar starts,
-  so readiness is the gRPC health service's).
+A small `ThreadingHTTPServer` on its own port (127.0.0.1 unless told otherwise), started
+and stopped explicitly: `MetricsServer(metrics, port=9400).start()` ... `.stop()`.
+`/metrics` is the registry in text format 0.0.4; `/layout.png` the newest step's picture,
+rendered on first request and cached (404 before one exists, 501 without matplotlib), for
+a Grafana text panel's `<img>`; `/healthz` says the endpoint is up (readiness is the gRPC
+health service's).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
-from rlfeed.service.metrics.recorder import RlfeedMetrics
+from rlfeed.service.metrics.recorder import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +28,7 @@ _INDEX = (
 )
 
 
-def _handler_for(metrics: RlfeedMetrics) -> type[BaseHTTPRequestHandler]:
+def _handler_for(metrics: SidecarMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "rlfeed-metrics"
 
@@ -89,9 +81,9 @@ def _handler_for(metrics: RlfeedMetrics) -> type[BaseHTTPRequestHandler]:
 
 
 class MetricsServer:
-    """Serves one RlfeedMetrics over HTTP on (host, port); port 0 picks a free one."""
+    """Serves one SidecarMetrics over HTTP on (host, port); port 0 picks a free one."""
 
-    def __init__(self, metrics: RlfeedMetrics, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, metrics: SidecarMetrics, *, host: str = "127.0.0.1", port: int = 0):
         self.metrics = metrics
         self.host = host
         self.requested_port = port

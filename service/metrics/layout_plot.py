@@ -1,18 +1,11 @@
 """The chapter's Figure 14.1 for a real step: the padded layout beside the packed one.
 
-Left, the padded alternative: one row per sequence, every row padded to the step's longest.
-Right, what the step actually computes: one row per microbatch, rank by rank, each row a
-packed run of whole sequences inside the token budget. Both panels use the same scale (one
-token is as wide and one row as tall on both sides), so area is compute: the padded panel is
-mostly grey, the packed rows nearly solid. Policy tokens are blue, other (prompt, template,
-tool) tokens aqua, padding grey, unused token budget white; dark ticks in the packed rows are
-the sequence boundaries that the block-diagonal mask (or `cu_seqlens`) must respect.
-
-`StepLayout` is plain numpy data; build it from a step plan (`layout_from_plan`), from served
-microbatches (`layout_from_microbatches`: loss masks + cu_seqlens, what a trainer receives)
-or from lengths alone (`layout_from_lengths`, which plans the step itself). `render_layout_png`
-imports matplotlib (the `plot` extra) lazily and draws with the Agg canvas directly, never
-pyplot, so it is safe to call from a server thread.
+Left, one row per sequence padded to the step's longest; right, one row per microbatch,
+rank by rank, as the step computes it. Both panels share one scale, so area is compute.
+Policy tokens blue, other tokens aqua, padding grey, unused budget white, sequence
+boundaries as dark ticks. `StepLayout` is plain numpy data, built from a plan, from served
+microbatches or from lengths; `render_layout_png` imports matplotlib lazily and draws on the
+Agg canvas, never pyplot, so a server thread may call it.
 """
 
 from __future__ import annotations

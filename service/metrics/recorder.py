@@ -1,39 +1,12 @@
-"""Prometheus metrics of the sidecar: what the chapter measures by hand, live.
+"""The sidecar's Prometheus metrics: what the chapter measures by hand, live.
 
-`RlfeedMetrics` owns a private `prometheus_client.CollectorRegistry` (never the global one,
-so two sidecars or a test can share a process) and update methods that take plain values
-and the service's own records; it imports neither gRPC nor Ray and starts nothing. The HTTP
-endpoint is `rlfeed.service.metrics.http.MetricsServer`; the metric definitions are in
-`rlfeed.service.metrics.families`, the per-step figures and their price in
-`rlfeed.service.metrics.figures`. No label carries a task, group or rollout id.
-
-Wiring: `rlfeed.service.metrics.exporter` (`MetricsEvents`, the gRPC front-end's hooks
-forwarded here; `SidecarExporter`, what `rlfeed serve --metrics-port` runs). Each update is
-cheap and thread-safe; `on_step` takes the scheduler's `StepRecord` or anything with its
-field names (the proto's StepStats has them too).
-
-Definitions where a number could mean several things:
-- fill: real tokens / (world_size x microbatches_per_rank x token_budget), the share of the
-  step's microbatch slots (no-op microbatches included) that holds real tokens.
-- zero-advantage group share: zero-advantage groups / groups considered for the step,
-  counting the groups drop_zero_advantage discarded while the step was filling.
-- rollouts saved by the filter: (tasks requested - tasks drawn from inside the filter) x
-  group_size summed over SampleTasks calls: rollouts not spent because fewer tasks than
-  requested passed the filter (the proto's Counters.rollouts_saved_by_filter). Never
-  negative; the revisits of excluded tasks are their own counter (their cost is revisits x
-  group_size).
-- predicted GPU time: `sched.throughput.step_cost_from_tokens` on the step's token counts,
-  model and GPU: phase "decode" prices the policy tokens generated for the step (the kept
-  rollouts', or `generated_policy_tokens` when given), "train" and "logprob" the positions
-  the ranks compute, divided by the step's compute lockstep efficiency: a rank waiting for
-  a slot's slowest microbatch is paid for too (that share is
-  `rlfeed_lockstep_idle_gpu_seconds_total`). Padding avoided: the padding GPU time of the
-  padded alternative minus the plan's (training + log-prob passes over padded - computed
-  positions). In GPU-seconds (base unit); divide by 3600 for GPU-hours. Stale rollouts
-  are not priced.
-- step latency: from `ready_time` (before the step was assembled, i.e. its last group
-  complete) to the first fetch by its last rank. Trainer lag: newest assembled step minus
-  the slowest rank's newest fetched step (-1 before its first fetch).
+`SidecarMetrics` owns a private registry (never the global one, so two sidecars or a test
+share a process) and update methods that take plain values and the scheduler's records; it
+imports neither gRPC nor Ray and starts nothing. Declarations are in `families`, per-step
+figures and their GPU-time price in `figures`, the front-end hooks and the HTTP endpoint in
+`exporter` and `http`. No label carries a task, group or rollout id. What each figure means
+is in its metric's help text and in `figures`; step latency runs from `ready_time` (the
+step's last group complete) to its last rank's first fetch.
 """
 
 from __future__ import annotations
@@ -50,33 +23,32 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 from prometheus_client import generate_latest
+from rlfeed.sched.assembly import share
+from rlfeed.service.config import AccountingConfig, BatchingConfig
 from rlfeed.service.metrics.families import (
     PASS_RATE_BUCKETS,
     PHASES,
     REJECT_REASONS,
     MetricFamilies,
 )
-from rlfeed.service.metrics.figures import (
-    CostAssumptions,
-    StepFigures,
-    StepPrice,
-    price_step,
-    share,
-)
+from rlfeed.service.metrics.figures import StepFigures, StepPrice, price_step
 
 if TYPE_CHECKING:
+    from rlfeed.service.config import SidecarConfig
     from rlfeed.service.metrics.layout_plot import StepLayout
+    from rlfeed.service.scheduler.records import StepRecord
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, frozen=True)
 class MetricsConfig:
-    """What the exporter needs to know about the run."""
+    """What the recorder needs: the run's pricing and shape (from `SidecarConfig`, see
+    `from_sidecar_config`) and its own bookkeeping bounds."""
 
-    cost: CostAssumptions = field(default_factory=CostAssumptions)  # step pricing
-    world_size: int = 1  # trainer ranks; bounds the `rank` label; default 1
-    token_budget: int = 65536  # tokens per microbatch (fill, layout width); default 65,536
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)  # step pricing
+    world_size: int = BatchingConfig.world_size  # trainer ranks; bounds the `rank` label
+    token_budget: int = BatchingConfig.token_budget  # tokens per microbatch (fill, layout)
     zero_advantage_window_steps: int = 20  # trailing window of the zero-advantage share; 20
     max_tracked_steps: int = 4096  # steps remembered for served/lag bookkeeping; 4096
     refresh_interval_s: float = 0.5  # least time between two refresh() calls; default 0.5
@@ -89,14 +61,10 @@ class MetricsConfig:
             raise ValueError("MetricsConfig: max_tracked_steps >= 1, refresh_interval_s >= 0")
 
     @classmethod
-    def from_sidecar_config(cls, config: Any) -> MetricsConfig:
-        """From a `service.config.SidecarConfig`: the [accounting] fields CostAssumptions
-        has (model, gpu, mfu, and the decode fields if that section grows them) and
-        [batching] world_size and token_budget."""
-        names = set(CostAssumptions.__dataclass_fields__)
-        accounting = {k: v for k, v in vars(config.accounting).items() if k in names}
+    def from_sidecar_config(cls, config: SidecarConfig) -> MetricsConfig:
+        """The run's [accounting] section, and [batching] world_size and token_budget."""
         return cls(
-            cost=CostAssumptions(**accounting),
+            accounting=config.accounting,
             world_size=config.batching.world_size,
             token_budget=config.batching.token_budget,
         )
@@ -108,12 +76,14 @@ def pass_rate_bucket_counts(pass_rates: ArrayLike) -> np.ndarray:
     return np.searchsorted(rates, PASS_RATE_BUCKETS, side="right").astype(np.int64)
 
 
-class RlfeedMetrics:
+class SidecarMetrics:
     """All sidecar metrics on a private registry, plus the newest step's layout picture."""
 
     def __init__(self, config: MetricsConfig | None = None) -> None:
         self.config = config or MetricsConfig()
-        self.families = MetricFamilies(self.config.cost, self.config.zero_advantage_window_steps)
+        self.families = MetricFamilies(
+            self.config.accounting, self.config.zero_advantage_window_steps
+        )
         self.registry = self.families.registry
         self._lock = threading.Lock()
         self._zero_window: deque[tuple[int, int]] = deque(
@@ -192,41 +162,41 @@ class RlfeedMetrics:
     # ---------------------------------------------------------------- steps
     def on_step(
         self,
-        record: Any,
+        record: StepRecord,
         *,
         ready_time: float | None = None,
         layout: StepLayout | Callable[[], StepLayout | None] | None = None,
         generated_policy_tokens: int | None = None,
         generated_tokens: int | None = None,
     ) -> None:
-        """One assembled step: `record` has the fields of `service.scheduler.StepRecord`.
+        """One assembled step, as the scheduler recorded it.
 
         ready_time: time.time() when the step's last group completed (for step latency).
         layout: what /layout.png draws for this step, a StepLayout or a zero-argument
         callable called only when the picture is asked for. Without it the picture is
         built from the responses passed to `on_served` once every rank fetched the step.
         """
-        figures = StepFigures.from_record(
-            record,
+        figures = StepFigures(
+            record=record,
             world_size=self.config.world_size,
             token_budget=self.config.token_budget,
             generated_policy_tokens=generated_policy_tokens,
             generated_tokens=generated_tokens,
         )
-        self.families.observe_step(figures, price_step(figures, self.config.cost))
+        self.families.observe_step(figures, price_step(figures, self.config.accounting))
         groups, zero = figures.groups_considered, figures.zero_advantage_groups_considered
         with self._lock:
             self._zero_window.append((groups, zero))
             self.families.window_zero_share.set(
                 share(sum(z for _, z in self._zero_window), sum(g for g, _ in self._zero_window))
             )
-            self._newest_step = max(self._newest_step, figures.step)
-            if figures.step not in self._served:
-                self._fetched.setdefault(figures.step, set())
+            self._newest_step = max(self._newest_step, record.step)
+            if record.step not in self._served:
+                self._fetched.setdefault(record.step, set())
                 if ready_time is not None:
-                    self._ready_time[figures.step] = ready_time
+                    self._ready_time[record.step] = ready_time
             if layout is not None:
-                self._set_layout(figures.step, layout)
+                self._set_layout(record.step, layout)
             self._forget_old_steps()
             self._update_progress()
 
@@ -415,9 +385,8 @@ __all__: Sequence[str] = (
     "PASS_RATE_BUCKETS",
     "PHASES",
     "REJECT_REASONS",
-    "CostAssumptions",
     "MetricsConfig",
-    "RlfeedMetrics",
+    "SidecarMetrics",
     "StepFigures",
     "StepPrice",
     "pass_rate_bucket_counts",

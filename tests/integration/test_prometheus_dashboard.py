@@ -37,7 +37,7 @@ import pytest
 import yaml
 from rlfeed.service.demo.fleet import FleetConfig
 from rlfeed.service.metrics.http import MetricsServer
-from rlfeed.service.metrics.recorder import PASS_RATE_BUCKETS, MetricsConfig, RlfeedMetrics
+from rlfeed.service.metrics.recorder import PASS_RATE_BUCKETS, MetricsConfig, SidecarMetrics
 from rlfeed.service.testing import step_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_dashboard_uses_the_datasource_variable_and_has_the_issues_rows():
 
 
 def test_every_metric_the_dashboard_queries_is_exported():
-    text = RlfeedMetrics().exposition().decode()
+    text = SidecarMetrics().exposition().decode()
     # Declared families, labelled ones included before their first series exists.
     families = set(re.findall(r"^# TYPE (rlfeed_\w+) ", text, flags=re.MULTILINE))
     suffixes = ("", "_bucket", "_sum", "_count")
@@ -274,7 +274,7 @@ def test_per_step_panels_draw_the_newest_step_as_one_series_across_front_ends(tm
     for title, expr in per_step:
         assert NEWEST_STEP_ONLY in expr, f"panel {title!r}: {expr}"
     real_tokens = next(e for _, e in per_step if "rlfeed_step_real_tokens " in e)
-    first, second = (RlfeedMetrics(MetricsConfig(world_size=2)) for _ in range(2))
+    first, second = (SidecarMetrics(MetricsConfig(world_size=2)) for _ in range(2))
     first.on_step(step_record(step=6, real_tokens=300))
     second.on_step(step_record(step=7, real_tokens=350))
     with (

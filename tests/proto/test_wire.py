@@ -158,3 +158,11 @@ def test_splitting_out_a_field_leaves_the_rest_of_the_message(
     assert (bytes(values[-1]) if values else b"") == message.arrow_ipc
     message.ClearField("arrow_ipc")
     assert pb.Microbatch.FromString(others) == message
+
+
+def test_token_bytes_agree_between_the_schema_and_the_scheduler():
+    """The scheduler counts buffered bytes without pyarrow; its constant is the schema's."""
+    from rlfeed.proto.arrow_schemas import TOKEN_BYTES as SCHEMA_TOKEN_BYTES
+    from rlfeed.sched.assembly import TOKEN_BYTES
+
+    assert TOKEN_BYTES == SCHEMA_TOKEN_BYTES == 9

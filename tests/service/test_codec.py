@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.arrow_schemas import ROLLOUT_SCHEMA
 from rlfeed.sched.assembly import materialize_microbatch
 from rlfeed.service.frontend.codec import (
-    ROLLOUT_SCHEMA,
     RolloutBatchArrays,
     decode_microbatch,
     decode_rollout_batch,

@@ -18,7 +18,12 @@ from rlfeed.sched.assembly import (
 )
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, select_tasks
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
-from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
+from rlfeed.service.config import (
+    AccountingConfig,
+    BatchingConfig,
+    RolloutsConfig,
+    SidecarConfig,
+)
 from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason, reject_reason
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.ingest import batch_meta, decode_batch
@@ -29,9 +34,8 @@ from rlfeed.service.metrics.layout_plot import layout_from_plan
 from rlfeed.service.metrics.recorder import (
     PASS_RATE_BUCKETS,
     REJECT_REASONS,
-    CostAssumptions,
     MetricsConfig,
-    RlfeedMetrics,
+    SidecarMetrics,
 )
 from rlfeed.service.scheduler.actor import SchedulerActor
 from rlfeed.service.scheduler.records import IngestKind, StepRecord
@@ -82,7 +86,7 @@ def served_microbatches(plan, columns):
     ]
 
 
-def value(metrics: RlfeedMetrics, name: str, **labels: str) -> float:
+def value(metrics: SidecarMetrics, name: str, **labels: str) -> float:
     sample = metrics.registry.get_sample_value(name, labels)
     assert sample is not None, f"{name}{labels} is not exported"
     return sample
@@ -95,7 +99,7 @@ def test_step_metrics_equal_what_the_served_microbatches_contain(cost_model):
     config = StepConfig(token_budget=budget, world_size=world, cost_model=cost_model)
     plan = assemble_step(rollouts, config)
     served = served_microbatches(plan, columns)
-    metrics = RlfeedMetrics(MetricsConfig(world_size=world, token_budget=budget))
+    metrics = SidecarMetrics(MetricsConfig(world_size=world, token_budget=budget))
     metrics.on_step(record_from_plan(plan, step=7))
 
     rows = [mb for rank in served for mb in rank]
@@ -140,7 +144,7 @@ def zero_advantage_share_by_loop(rewards, group_ids) -> float:
 
 
 def test_zero_advantage_share_per_step_and_over_the_trailing_window():
-    metrics = RlfeedMetrics(MetricsConfig(zero_advantage_window_steps=3, token_budget=2000))
+    metrics = SidecarMetrics(MetricsConfig(zero_advantage_window_steps=3, token_budget=2000))
     rng = np.random.default_rng(1)
     shares, counts = [], []
     for step in range(5):
@@ -163,13 +167,13 @@ def test_groups_dropped_for_zero_advantage_count_towards_the_share():
     rollouts, _ = make_step(np.random.default_rng(2), groups=8, group_size=4)
     config = StepConfig(token_budget=2000, drop_zero_advantage=True)
     plan = assemble_step(rollouts, config)
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     metrics.on_step(record_from_plan(plan, step=0, zero_advantage_groups_dropped=3))
     expected = (plan.zero_advantage_groups + 3) / (plan.num_groups + 3)
     assert value(metrics, "rlfeed_step_zero_advantage_groups_ratio") == pytest.approx(expected)
 
 
-def hand_priced_gpu_hours(cost: CostAssumptions, *, policy, real, computed, padded, lockstep):
+def hand_priced_gpu_hours(cost: AccountingConfig, *, policy, real, computed, padded, lockstep):
     """Chapter 14.6 by hand: decode reads 2N + b c s_kv bytes per b tokens; training costs
     6N FLOPs per position at mfu; each log-prob pass 2N; every rank is paid for while it
     waits in lockstep, so training and log-prob passes take 1 / lockstep as long."""
@@ -194,7 +198,7 @@ def hand_priced_gpu_hours(cost: CostAssumptions, *, policy, real, computed, padd
 
 
 def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
-    cost = CostAssumptions(model="qwen3-8b", gpu="h200", mfu=0.4, busy_fraction=0.5)
+    cost = AccountingConfig(model="qwen3-8b", gpu="h200", mfu=0.4, busy_fraction=0.5)
     record = step_record(
         num_rollouts=512,
         num_groups=64,
@@ -206,7 +210,7 @@ def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
         lockstep_efficiency=0.999,
         compute_lockstep_efficiency=0.9,
     )
-    metrics = RlfeedMetrics(MetricsConfig(cost=cost))
+    metrics = SidecarMetrics(MetricsConfig(accounting=cost))
     metrics.on_step(record)
     metrics.on_step(record)  # cumulative counters add up
     hours = hand_priced_gpu_hours(
@@ -243,14 +247,14 @@ def test_step_balance_is_published_in_tokens_and_in_compute():
         compute_rank_imbalance=1.2,
         compute_lockstep_efficiency=0.8,
     )
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     metrics.on_step(record)
     assert value(metrics, "rlfeed_step_rank_imbalance") == pytest.approx(0.01)
     assert value(metrics, "rlfeed_step_lockstep_efficiency_ratio") == pytest.approx(0.98)
     assert value(metrics, "rlfeed_step_compute_rank_imbalance") == pytest.approx(0.2)
     assert value(metrics, "rlfeed_step_compute_lockstep_efficiency_ratio") == pytest.approx(0.8)
     # Training and log-prob GPU time follow compute lockstep, not token lockstep.
-    even = RlfeedMetrics()
+    even = SidecarMetrics()
     even.on_step(step_record(compute_lockstep_efficiency=1.0))
     for phase, ratio in (("decode", 1.0), ("train", 1 / 0.8), ("logprob", 1 / 0.8)):
         seconds = value(metrics, "rlfeed_step_predicted_gpu_seconds", phase=phase)
@@ -261,7 +265,7 @@ def test_step_balance_is_published_in_tokens_and_in_compute():
 
 def test_decode_is_priced_on_the_generated_tokens_when_the_record_has_them():
     record = step_record(policy_token_count=2000, real_tokens=8000, computed_positions=8000)
-    plain, generated = RlfeedMetrics(), RlfeedMetrics()
+    plain, generated = SidecarMetrics(), SidecarMetrics()
     plain.on_step(record)
     generated.on_step(record, generated_policy_tokens=3000, generated_tokens=12000)
     ratio = value(generated, "rlfeed_step_predicted_gpu_seconds", phase="decode") / value(
@@ -274,7 +278,7 @@ def test_decode_is_priced_on_the_generated_tokens_when_the_record_has_them():
 
 
 def test_ingest_counters_and_every_reject_reason_exists_from_the_start():
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     for reason in REJECT_REASONS:
         assert value(metrics, "rlfeed_ingest_rollouts_rejected_total", reason=reason) == 0
     metrics.on_ingest(
@@ -300,7 +304,7 @@ def test_rollouts_saved_is_requested_minus_filtered_tasks_times_group_size():
     config = CurriculumConfig(estimator="last", revisits=1)
     state = init_pass_rates(50, config)
     state = type(state)(**{**vars(state), "estimate": np.linspace(0, 1, 50)})
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     rng = np.random.default_rng(0)
     expected_saved, returned_total = 0, 0
     for n in (8, 60, 5, 48):
@@ -319,7 +323,7 @@ def test_pass_rate_histogram_counts_tasks_at_or_below_each_bucket():
     rates = np.random.default_rng(3).random(1000)
     rates[:100] = 0.0
     rates[100:150] = 1.0
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     metrics.on_curriculum(tasks_inside=850, tasks_outside=150, pass_rates=rates)
     for bound in PASS_RATE_BUCKETS:
         expected = sum(1 for r in rates.tolist() if r <= bound)
@@ -330,7 +334,7 @@ def test_pass_rate_histogram_counts_tasks_at_or_below_each_bucket():
 
 
 def test_steps_served_latency_and_trainer_lag_follow_the_slowest_rank():
-    metrics = RlfeedMetrics(MetricsConfig(world_size=2))
+    metrics = SidecarMetrics(MetricsConfig(world_size=2))
     for step in range(4):
         metrics.on_step(step_record(step=step), ready_time=100.0 + step)
     assert value(metrics, "rlfeed_trainer_lag_steps") == 4  # nobody fetched: 3 - (-1)
@@ -350,7 +354,7 @@ def test_steps_served_latency_and_trainer_lag_follow_the_slowest_rank():
 
 
 def test_trainer_reports_are_labelled_by_rank_only():
-    metrics = RlfeedMetrics(MetricsConfig(world_size=2))
+    metrics = SidecarMetrics(MetricsConfig(world_size=2))
     metrics.on_trainer_report(
         step=3, rank=1, loss=0.25, ratio_outlier_share=0.0, tokens_per_second=5000.0,
         step_seconds=1.5,
@@ -365,7 +369,7 @@ def test_trainer_reports_are_labelled_by_rank_only():
 
 
 def test_metric_names_follow_prometheus_conventions_and_stay_off_the_global_registry():
-    metrics = RlfeedMetrics()
+    metrics = SidecarMetrics()
     families = list(text_string_to_metric_families(metrics.exposition().decode()))
     assert families
     for family in families:
@@ -377,7 +381,7 @@ def test_metric_names_follow_prometheus_conventions_and_stay_off_the_global_regi
             if sample.name.endswith("_ratio"):
                 assert 0.0 <= sample.value <= 1.0
     assert not [n for n in REGISTRY._names_to_collectors if n.startswith("rlfeed_")]
-    RlfeedMetrics()  # a second instance in the same process does not collide
+    SidecarMetrics()  # a second instance in the same process does not collide
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -392,7 +396,7 @@ def test_metrics_server_serves_metrics_and_the_newest_layout_on_loopback():
     pytest.importorskip("matplotlib")
     rollouts, columns = make_step(np.random.default_rng(4), groups=4, group_size=4)
     plan = assemble_step(rollouts, StepConfig(token_budget=1200, world_size=2))
-    metrics = RlfeedMetrics(MetricsConfig(world_size=2))
+    metrics = SidecarMetrics(MetricsConfig(world_size=2))
     with MetricsServer(metrics) as server:
         assert server.host == "127.0.0.1"
         status, content_type, body = get(f"{server.url}/metrics")
@@ -530,7 +534,7 @@ def test_served_responses_become_the_layout_picture_once_every_rank_fetched():
     arrays = decode_rollout_batch(rollouts.encode())
     scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
     assert assemble_ready_steps(scheduler) == [0]
-    metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
+    metrics = SidecarMetrics(MetricsConfig.from_sidecar_config(config))
     metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
     payload = scheduler.fetch_batch(0, 0).payload
     metrics.on_served(0, 0, response=payload, now=1.0)
@@ -550,7 +554,7 @@ def test_refresh_pulls_levels_before_a_scrape_at_most_once_per_interval():
     config = SidecarConfig()
     scheduler = Scheduler(config)
     scheduler.register_tasks([f"t{i}" for i in range(30)])
-    metrics = RlfeedMetrics(MetricsConfig(refresh_interval_s=3600))
+    metrics = SidecarMetrics(MetricsConfig(refresh_interval_s=3600))
     calls = []
 
     def refresh():

@@ -9,7 +9,7 @@ from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.ingest import batch_meta
 from rlfeed.service.inprocess import assemble_ready_steps
-from rlfeed.service.metrics.recorder import MetricsConfig, RlfeedMetrics
+from rlfeed.service.metrics.recorder import MetricsConfig, SidecarMetrics
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import synthetic_groups
 
@@ -24,7 +24,7 @@ def exported_series(num_tasks: int, steps: int = 3) -> tuple[int, set[str]]:
     scheduler = Scheduler(config)
     task_ids = [f"task-{i:06d}" for i in range(num_tasks)]
     scheduler.register_tasks(task_ids)
-    metrics = RlfeedMetrics(MetricsConfig.from_sidecar_config(config))
+    metrics = SidecarMetrics(MetricsConfig.from_sidecar_config(config))
     rng = np.random.default_rng(0)
     for step in range(steps):
         sample = scheduler.sample_tasks(4)
