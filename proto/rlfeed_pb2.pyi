@@ -143,7 +143,7 @@ class StepWaiting(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "num_rollouts", "num_groups", "zero_advantage_groups", "policy_token_count", "real_tokens", "computed_positions", "padded_positions", "rank_imbalance", "lockstep_efficiency", "microbatches_per_rank", "policy_version", "zero_advantage_groups_dropped", "min_policy_version", "largest_microbatch_positions", "response_bytes")
+    __slots__ = ("step", "num_rollouts", "num_groups", "zero_advantage_groups", "policy_token_count", "real_tokens", "computed_positions", "padded_positions", "rank_imbalance", "lockstep_efficiency", "microbatches_per_rank", "policy_version", "zero_advantage_groups_dropped", "min_policy_version", "largest_microbatch_positions", "response_bytes", "compute_rank_imbalance", "compute_lockstep_efficiency")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class StepStats(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LARGEST_MICROBATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_RANK_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_LOCKSTEP_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
     step: int
     num_rollouts: int
     num_groups: int
@@ -176,7 +178,9 @@ class StepStats(_message.Message):
     min_policy_version: int
     largest_microbatch_positions: int
     response_bytes: int
-    def __init__(self, step: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_groups: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., real_tokens: _Optional[int] = ..., computed_positions: _Optional[int] = ..., padded_positions: _Optional[int] = ..., rank_imbalance: _Optional[float] = ..., lockstep_efficiency: _Optional[float] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., zero_advantage_groups_dropped: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., largest_microbatch_positions: _Optional[int] = ..., response_bytes: _Optional[int] = ...) -> None: ...
+    compute_rank_imbalance: float
+    compute_lockstep_efficiency: float
+    def __init__(self, step: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_groups: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., real_tokens: _Optional[int] = ..., computed_positions: _Optional[int] = ..., padded_positions: _Optional[int] = ..., rank_imbalance: _Optional[float] = ..., lockstep_efficiency: _Optional[float] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., zero_advantage_groups_dropped: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., largest_microbatch_positions: _Optional[int] = ..., response_bytes: _Optional[int] = ..., compute_rank_imbalance: _Optional[float] = ..., compute_lockstep_efficiency: _Optional[float] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("rollouts_received", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale", "batches_rejected", "zero_advantage_groups", "zero_advantage_rollouts_dropped", "steps_assembled", "rollouts_trained", "policy_tokens_assembled", "trainer_reports", "tasks_sampled", "revisits_sampled", "tasks_requested", "rollouts_saved_by_filter")

@@ -32,7 +32,12 @@ class StepConfig:
     packing_method: Literal["ffd", "bfd"] = "ffd"
     """Bin-packing heuristic for the packed cost model."""
     attention_weight: float = 0.0
-    """Rank-balancing cost = tokens + attention_weight * sum(L^2); raise for long contexts."""
+    """Rank-balancing cost = tokens + attention_weight * sum(L^2): predicted compute. The
+    service sets it from the trained model (`rlfeed.sched.compute.model_attention_weight`);
+    0 balances tokens."""
+    compute_weight: float | None = None
+    """Weight of sum(L^2) in the step's compute figures (the trained model's, so they are
+    predicted FLOPs whatever the plan was balanced with); None = attention_weight."""
     advantage_mode: AdvantageMode = "mean_std"
     """'mean' baseline, 'mean_std' (GRPO) or 'constant' (Dr. GRPO, divide by advantage_scale)."""
     advantage_scale: float = 1.0
@@ -59,6 +64,8 @@ class StepConfig:
             raise ValueError(
                 f"StepConfig.attention_weight must be >= 0, got {self.attention_weight}"
             )
+        if self.compute_weight is not None and not self.compute_weight >= 0:
+            raise ValueError(f"StepConfig.compute_weight must be >= 0, got {self.compute_weight}")
         if not self.advantage_scale > 0:
             raise ValueError(f"StepConfig.advantage_scale must be > 0, got {self.advantage_scale}")
 
@@ -111,7 +118,13 @@ class StepPlan:
     """The padded alternative: every kept rollout padded to the step's longest."""
     largest_microbatch_positions: int
     rank_imbalance: float
+    """Max / mean rank tokens (computed positions when padded); 1.0 = even."""
     lockstep_efficiency: float
+    """Share of rank-time at work, slot by slot, counted in tokens (positions when padded)."""
+    compute_rank_imbalance: float
+    """As rank_imbalance, counted in predicted compute (tokens + compute_weight x L^2)."""
+    compute_lockstep_efficiency: float
+    """As lockstep_efficiency, counted in predicted compute; what GPU time follows."""
 
     @property
     def microbatches_per_rank(self) -> int:
@@ -153,14 +166,16 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
     kept = np.flatnonzero(keep)
     advantages = np.where(keep, advantages, np.float32(0.0)).astype(np.float32)
 
-    assignment = plan_microbatches(
+    plan = plan_microbatches(
         lengths[kept],
         config.token_budget,
         config.world_size,
         cost=config.cost_model,
         method=config.packing_method,
         attention_weight=config.attention_weight,
-    ).assignment
+        compute_weight=config.compute_weight,
+    )
+    assignment = plan.assignment
     # Microbatches index into the kept subset; re-express them over the input rollouts.
     microbatches = [kept[m] for m in assignment.microbatches]
     positions = microbatch_positions(lengths[kept], assignment.microbatches, config.cost_model)
@@ -182,8 +197,10 @@ def assemble_step(rollouts: StepRollouts, config: StepConfig) -> StepPlan:
         computed_positions=int(positions.sum()),
         padded_positions=int(kept_lengths.size * kept_lengths.max()) if kept.size else 0,
         largest_microbatch_positions=int(positions.max()) if positions.size else 0,
-        rank_imbalance=float(assignment.rank_imbalance),
-        lockstep_efficiency=float(assignment.lockstep_efficiency),
+        rank_imbalance=plan.tokens.rank_imbalance,
+        lockstep_efficiency=plan.tokens.lockstep_efficiency,
+        compute_rank_imbalance=plan.compute.rank_imbalance,
+        compute_lockstep_efficiency=plan.compute.lockstep_efficiency,
     )
 
 

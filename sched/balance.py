@@ -239,6 +239,36 @@ def _figures(costs: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, float, f
     return rank_cost, imbalance, efficiency
 
 
+@dataclass(frozen=True)
+class BalanceFigures:
+    """How evenly an assignment loads its ranks, under one cost."""
+
+    rank_cost: np.ndarray
+    """[world_size] float64 cost per rank."""
+    rank_imbalance: float
+    """max rank cost / mean rank cost (1.0 = perfect)."""
+    lockstep_efficiency: float
+    """total cost / (world_size x sum of slot maxima): share of rank-time spent working."""
+
+
+def balance_figures(
+    lengths: ArrayLike,
+    assignment: RankAssignment,
+    *,
+    attention_weight: float = 0.0,
+    cost: CostModel = "packed",
+) -> BalanceFigures:
+    """`assignment`'s figures re-counted under `attention_weight` (0 = in tokens/positions)."""
+    costs = microbatch_cost(
+        lengths, assignment.microbatches, attention_weight=attention_weight, cost=cost
+    )
+    table = np.asarray(assignment.ranks, dtype=np.int64).reshape(assignment.world_size, -1)
+    rank_cost, imbalance, efficiency = _figures(costs, table)
+    return BalanceFigures(
+        rank_cost=rank_cost, rank_imbalance=imbalance, lockstep_efficiency=efficiency
+    )
+
+
 def balance_ranks(
     lengths: ArrayLike,
     microbatches: list[np.ndarray],

@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 _MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits mallopt's int
+FROM_MODEL = -1.0  # [batching] attention_weight: derive it from [accounting] model
 
 
 def documented(default: Any, doc: str) -> Any:
@@ -129,7 +130,11 @@ class BatchingConfig:
         "ffd", "bin packing: 'ffd' (first-fit) or 'bfd' (best-fit decreasing)"
     )
     attention_weight: float = documented(
-        0.0, "rank-balancing cost = tokens + attention_weight * sum(L^2); raise for long contexts"
+        FROM_MODEL,
+        "rank-balancing cost = tokens + attention_weight * sum(L^2), the predicted compute that "
+        "ranks and lockstep slots are evened out on (microbatches still obey token_budget); "
+        f"{FROM_MODEL} = from [accounting] model's FLOPs (2N per token plus causal attention), "
+        "printed next to it at start-up; 0 = balance tokens only",
     )
     retained_steps: int = documented(
         4, "steps kept for re-fetch after every rank fetched them (trainer restarts), count"
@@ -140,7 +145,12 @@ class BatchingConfig:
         _require(self.world_size >= 1, "batching", "world_size", "must be >= 1")
         _require(self.cost_model in ("packed", "padded"), "batching", "cost_model", "packed|padded")
         _require(self.packing_method in ("ffd", "bfd"), "batching", "packing_method", "ffd|bfd")
-        _require(self.attention_weight >= 0, "batching", "attention_weight", "must be >= 0")
+        _require(
+            self.attention_weight >= 0 or self.attention_weight == FROM_MODEL,
+            "batching",
+            "attention_weight",
+            f"must be >= 0, or {FROM_MODEL} for the model's own",
+        )
         _require(self.retained_steps >= 1, "batching", "retained_steps", "must be >= 1")
 
 
@@ -321,6 +331,21 @@ class SidecarConfig:
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
+    @property
+    def model_attention_weight(self) -> float:
+        """The [accounting] model's weight: tokens + it x sum(L^2) is proportional to the
+        model's FLOPs (`rlfeed.sched.compute`); the step's compute figures use it."""
+        from rlfeed.sched.compute import model_attention_weight
+
+        return model_attention_weight(self.accounting.model)
+
+    @property
+    def resolved_attention_weight(self) -> float:
+        """[batching] attention_weight, or the model's when it is FROM_MODEL."""
+        if self.batching.attention_weight != FROM_MODEL:
+            return self.batching.attention_weight
+        return self.model_attention_weight
+
     def step_config(self):
         """The sched.assembly.StepConfig this run assembles steps with."""
         from rlfeed.sched.assembly import StepConfig
@@ -330,7 +355,8 @@ class SidecarConfig:
             world_size=self.batching.world_size,
             cost_model=self.batching.cost_model,
             packing_method=self.batching.packing_method,
-            attention_weight=self.batching.attention_weight,
+            attention_weight=self.resolved_attention_weight,
+            compute_weight=self.model_attention_weight,
             advantage_mode=self.advantages.mode,
             advantage_scale=self.advantages.scale,
             drop_zero_advantage=self.advantages.drop_zero_advantage,
@@ -425,6 +451,14 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _resolved_attention_weight(config: SidecarConfig) -> str:
+    """A comment naming the weight that FROM_MODEL resolves to; empty for explicit ones."""
+    if config.batching.attention_weight != FROM_MODEL:
+        return ""
+    weight, model = config.resolved_attention_weight, config.accounting.model
+    return f"  # resolved: {weight:.4g} from {model}'s FLOPs"
+
+
 def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = False) -> str:
     """The resolved config as TOML (optionally with each field's doc as a comment) or JSON."""
     if fmt == "json":
@@ -444,7 +478,10 @@ def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = F
                 default = _toml_value(item.default)
                 text = f"{item.metadata['doc']} (default {default})"
                 lines.extend(textwrap.wrap(text, 98, initial_indent="# ", subsequent_indent="# "))
-            lines.append(f"{item.name} = {_toml_value(getattr(values, item.name))}")
+            line = f"{item.name} = {_toml_value(getattr(values, item.name))}"
+            if (section.name, item.name) == ("batching", "attention_weight"):
+                line += _resolved_attention_weight(config)
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -260,5 +260,6 @@ def step_record(**fields) -> StepRecord:
         computed_positions=400, padded_positions=640, largest_microbatch_positions=300,
         rank_imbalance=1.5, lockstep_efficiency=0.66, microbatches_per_rank=1,
         policy_version=0, min_policy_version=0, response_bytes=0,
+        compute_rank_imbalance=1.8, compute_lockstep_efficiency=0.55,
     )  # fmt: skip
     return StepRecord(**{**values, **fields})

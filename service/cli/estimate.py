@@ -4,9 +4,10 @@
     rlfeed estimate --model qwen3-32b --gpu h100 --context 16384 --json
     rlfeed estimate --steps 300                       # + the default episode shape's step
 
-Prints bytes of KV cache per token, parameters, decode and training tokens/s. Any
-episode-shape flag adds one step's GPU-hours by phase (missing fields: `EpisodeShape`'s
-defaults). Bad input exits 2 naming the flag and the valid choices.
+Prints KV-cache bytes per token, parameters, decode and training tokens/s, and the model's
+attention_weight (what `rlfeed plan` and `[batching]` balance ranks with by default; the
+model flags are `rlfeed plan`'s). Any episode-shape flag adds one step's GPU-hours by phase
+(missing fields: `EpisodeShape`'s defaults). Bad input exits 2 naming the flag and choices.
 """
 
 from __future__ import annotations
@@ -22,23 +23,18 @@ from rlfeed.service.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from rlfeed.service.cli.modelflags import (
+    add_model_arguments,
+    flag,
+    preset_unless_custom,
+    resolve_arch,
+)
 
-DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_GPU = "h200"
 DEFAULT_BATCH = 64
 DEFAULT_CONTEXT = 2048
 DEFAULT_MFU = 0.4
 
-# flag dest -> ModelArch field, for a custom architecture.
-_ARCH_FLAGS: dict[str, str] = {
-    "layers": "num_layers",
-    "hidden": "hidden_size",
-    "heads": "num_attention_heads",
-    "kv_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "intermediate": "intermediate_size",
-    "vocab": "vocab_size",
-}
 # flag dest -> EpisodeShape field.
 _SHAPE_FLAGS: dict[str, str] = {
     "prompts": "prompts_per_step",
@@ -51,23 +47,8 @@ _SHAPE_FLAGS: dict[str, str] = {
 }
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model (a preset, or every architecture flag)")
-    model.add_argument("--model", help=f"preset name (default {DEFAULT_MODEL})")
-    model.add_argument("--layers", type=positive_int, help="number of transformer blocks")
-    model.add_argument("--hidden", type=positive_int, help="hidden size")
-    model.add_argument("--heads", type=positive_int, help="query heads")
-    model.add_argument("--kv-heads", type=positive_int, help="key/value heads")
-    model.add_argument("--head-dim", type=positive_int, help="per-head dimension")
-    model.add_argument("--intermediate", type=positive_int, help="MLP intermediate size")
-    model.add_argument("--vocab", type=positive_int, help="vocabulary size")
-    model.add_argument(
-        "--tied-embeddings", action="store_true", help="LM head shares the embedding matrix"
-    )
+    add_model_arguments(parser, purpose="whose throughput is estimated")
     gpu = parser.add_argument_group("GPU (a preset, or --bandwidth and --flops)")
     gpu.add_argument("--gpu", help=f"preset name (default {DEFAULT_GPU})")
     gpu.add_argument("--bandwidth", type=positive_float, help="memory bandwidth, TB/s")
@@ -104,51 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _preset_unless_custom(args, option: str, presets: dict, default: str, given, what: str):
-    """The preset `--option` names (else `default`) when no custom flag is `given`; None when
-    some are (the caller builds the custom one). A usage error for both, or a bad name."""
-    name = getattr(args, option)
-    if name is not None and given:
-        flags = ", ".join(_flag(dest) for dest in given)
-        raise UsageError(f"argument --{option}: not allowed with {what.format(flags)}")
-    if given:
-        return None
-    name = name or default
-    if name not in presets:
-        raise UsageError(
-            f"argument --{option}: invalid choice {name!r} (choose from {', '.join(presets)})"
-        )
-    return presets[name]
-
-
-def _resolve_arch(args: argparse.Namespace):
-    from rlfeed.sched.models import MODELS, ModelArch
-
-    given = [dest for dest in _ARCH_FLAGS if getattr(args, dest) is not None]
-    if args.tied_embeddings:
-        given.append("tied_embeddings")
-    preset = _preset_unless_custom(
-        args, "model", MODELS, DEFAULT_MODEL, given, "architecture flags ({})"
-    )
-    if preset is not None:
-        return preset
-    missing = [_flag(dest) for dest in _ARCH_FLAGS if getattr(args, dest) is None]
-    if missing:
-        raise UsageError(
-            f"a custom architecture needs every architecture flag; missing: {', '.join(missing)}"
-        )
-    fields = {field: getattr(args, dest) for dest, field in _ARCH_FLAGS.items()}
-    return ModelArch(name="custom", tie_word_embeddings=args.tied_embeddings, **fields)
-
-
 def _resolve_gpu(args: argparse.Namespace):
     from rlfeed.sched.models import GPUS, GpuSpec
 
     given = [d for d in ("bandwidth", "flops", "memory") if getattr(args, d) is not None]
-    preset = _preset_unless_custom(args, "gpu", GPUS, DEFAULT_GPU, given, "{}")
+    preset = preset_unless_custom(args, "gpu", GPUS, DEFAULT_GPU, given, "{}")
     if preset is not None:
         return preset
-    missing = [_flag(d) for d in ("bandwidth", "flops") if getattr(args, d) is None]
+    missing = [flag(d) for d in ("bandwidth", "flops") if getattr(args, d) is None]
     if missing:
         raise UsageError(f"a custom GPU needs --bandwidth and --flops; missing: {missing[0]}")
     return GpuSpec(
@@ -180,8 +124,9 @@ def _estimate(args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
     from rlfeed.sched import throughput as tp
+    from rlfeed.sched.compute import sequence_cost
 
-    arch, gpu, shape = _resolve_arch(args), _resolve_gpu(args), _resolve_shape(args)
+    arch, gpu, shape = resolve_arch(args), _resolve_gpu(args), _resolve_shape(args)
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     context = DEFAULT_CONTEXT if args.context is None else args.context
     result: dict = {
@@ -196,6 +141,7 @@ def _estimate(args: argparse.Namespace) -> dict:
         "gpu_memory_bytes": gpu.memory_bytes,
         "mfu": args.mfu,
         "train_tokens_per_s": tp.train_tokens_per_s(arch, gpu, mfu=args.mfu),
+        "attention_weight": sequence_cost(arch).attention_weight,
     }
     if shape is not None:
         cost = tp.step_gpu_hours(arch, gpu, shape)
@@ -239,6 +185,11 @@ def _print_text(r: dict) -> None:
     )
     _print_memory_note(r["decode_memory_bytes"], r["gpu_memory_bytes"])
     print(f"train_tokens_per_s   {r['train_tokens_per_s']:,.0f} per GPU (MFU {r['mfu']:.2f})")
+    weight = r["attention_weight"]
+    print(
+        f"attention_weight     {weight:.4g} (cost L + w L^2: attention = linear layers "
+        f"at L = {1 / weight:,.0f})"
+    )
     if "step_gpu_hours" not in r:
         return
     s, hours, step = r["episode_shape"], r["step_gpu_hours"], r["step"]

@@ -1,12 +1,13 @@
 """`rlfeed plan`: token-budgeted, rank-balanced microbatches for a file of sequence lengths.
 
     rlfeed plan --example                              # the bundled 14.2 workload
-    rlfeed plan --lengths lengths.txt --world-size 8
+    rlfeed plan --lengths lengths.txt --world-size 8 --model qwen3-0.6b
     rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
 
 FILE holds one length per line (`#` comments allowed). The plan is exactly a step's
-(`sched.planning.plan_microbatches`); --json prints the microbatches, the ranks' slots and
-the figures (padding share, fill, lower bound, rank imbalance, ...). Errors exit 2.
+(`sched.planning.plan_microbatches`): ranks balanced on tokens + W x sum(L^2), W from the
+model (estimate's model flags; default qwen3-8b) unless --attention-weight. --json prints
+the microbatches, ranks' slots and figures in tokens and compute (--help). Errors exit 2.
 """
 
 from __future__ import annotations
@@ -18,13 +19,28 @@ import time
 from pathlib import Path
 
 from rlfeed.service.cli.argtypes import UsageError, non_negative_float, positive_int
+from rlfeed.service.cli.modelflags import add_model_arguments, resolve_arch
 
 DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
 DEFAULT_WORLD_SIZE = 1
 EXAMPLE = "examples/lengths.txt"  # inside the rlfeed.service.cli package
 
 
+JSON_EPILOG = (
+    "--json fields: microbatches (0-based sequence indices); ranks (microbatch indices per "
+    "rank, in slot order); num_microbatches (after balancing, with splits and empty no-op "
+    "ones) and num_budget_microbatches (before); lower_bound (ceil(tokens / budget)); "
+    "padding_share; fill (tokens / (num_microbatches x budget)); largest_microbatch_tokens; "
+    "rank_imbalance and lockstep_efficiency in tokens; compute_rank_imbalance and "
+    "compute_lockstep_efficiency in the model's FLOPs (tokens + compute_weight x sum(L^2), "
+    "whatever the plan was balanced with); per rank rank_tokens, rank_compute (token units), "
+    "rank_compute_flops (forward FLOPs) and rank_cost (the balancing cost); plan_seconds; and "
+    "the inputs (model, attention_weight as used, attention_weight_from: model or flag)."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = JSON_EPILOG
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--lengths", metavar="FILE", help="one sequence length per line; '-' reads stdin"
@@ -61,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-weight",
         type=non_negative_float,
-        default=0.0,
+        default=None,
         metavar="W",
-        help="rank-balancing cost = tokens + W x sum(L^2) (default 0)",
+        help="rank-balancing cost = tokens + W x sum(L^2) (default: the model's FLOPs; "
+        "0 balances tokens)",
     )
     parser.add_argument(
         "--spread",
@@ -73,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of splitting full ones (default: on for --cost packed, as the service does)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_model_arguments(parser, purpose="whose FLOPs set the default --attention-weight")
 
 
 def example_path() -> Path:
@@ -123,8 +141,13 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         microbatch_positions,
         microbatch_tokens,
     )
+    from rlfeed.sched.compute import sequence_cost
     from rlfeed.sched.planning import plan_microbatches
 
+    arch = resolve_arch(args)
+    rates = sequence_cost(arch)
+    from_model = args.attention_weight is None
+    weight = rates.attention_weight if from_model else args.attention_weight
     sizes = np.asarray(lengths, dtype=np.int64)
     started = time.perf_counter()
     planned = plan_microbatches(
@@ -133,7 +156,8 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         args.world_size,
         cost=args.cost,
         method=args.method,
-        attention_weight=args.attention_weight,
+        attention_weight=weight,
+        compute_weight=rates.attention_weight,
         spread=args.spread,
     )
     assignment = planned.assignment
@@ -150,7 +174,10 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         "cost": args.cost,
         "method": args.method,
         "world_size": args.world_size,
-        "attention_weight": args.attention_weight,
+        "model": arch.name,
+        "attention_weight": weight,
+        "attention_weight_from": "model" if from_model else "flag",
+        "compute_weight": rates.attention_weight,
         "spread": planned.spread,
         "num_microbatches": len(microbatches),
         "num_budget_microbatches": planned.num_budget_microbatches,
@@ -160,8 +187,13 @@ def build_plan(lengths: list[int], args: argparse.Namespace) -> dict:
         "padding_share": 1.0 - total_tokens / total_positions if total_positions else 0.0,
         "fill": total_tokens / (len(microbatches) * args.budget) if microbatches else 0.0,
         "largest_microbatch_tokens": int(positions.max()) if positions.size else 0,
-        "rank_imbalance": assignment.rank_imbalance,
-        "lockstep_efficiency": assignment.lockstep_efficiency,
+        "rank_imbalance": planned.tokens.rank_imbalance,
+        "lockstep_efficiency": planned.tokens.lockstep_efficiency,
+        "compute_rank_imbalance": planned.compute.rank_imbalance,
+        "compute_lockstep_efficiency": planned.compute.lockstep_efficiency,
+        "rank_tokens": planned.tokens.rank_cost.astype(np.int64).tolist(),
+        "rank_compute": planned.compute.rank_cost.tolist(),
+        "rank_compute_flops": (planned.compute.rank_cost * rates.unit_flops).tolist(),
         "rank_cost": assignment.rank_cost.tolist(),
         "plan_seconds": plan_seconds,
         "microbatch_tokens": tokens.tolist(),
@@ -178,7 +210,8 @@ def _print_table(plan: dict, source: str) -> None:
     )
     print(
         f"budget {plan['token_budget']:,} positions ({plan['cost']}, {plan['method']}), "
-        f"world size {plan['world_size']}, attention weight {plan['attention_weight']:g}"
+        f"world size {plan['world_size']}, attention weight {plan['attention_weight']:.4g} "
+        + (f"({plan['model']}'s FLOPs)" if plan["attention_weight_from"] == "model" else "(flag)")
         + (", spread" if plan["spread"] else "")
     )
     empty = f", {plan['num_empty_microbatches']} empty" if plan["num_empty_microbatches"] else ""
@@ -188,17 +221,27 @@ def _print_table(plan: dict, source: str) -> None:
         ("fill", f"{plan['fill']:.1%}"),
         ("padding share", f"{plan['padding_share']:.1%}"),
         ("largest microbatch", f"{plan['largest_microbatch_tokens']:,} positions"),
-        ("rank imbalance", f"{plan['rank_imbalance']:.4f} (max / mean rank cost)"),
-        ("lockstep efficiency", f"{plan['lockstep_efficiency']:.1%}"),
+        (
+            "rank imbalance",
+            f"{plan['rank_imbalance']:.4f} in tokens, {plan['compute_rank_imbalance']:.4f} "
+            "in compute (max / mean rank)",
+        ),
+        (
+            "lockstep efficiency",
+            f"{plan['lockstep_efficiency']:.1%} in tokens, "
+            f"{plan['compute_lockstep_efficiency']:.1%} in compute",
+        ),
         ("planned in", f"{plan['plan_seconds'] * 1e3:.1f} ms"),
     ]
     for name, value in rows:
         print(f"  {name:<20} {value}")
-    print(f"  {'rank':>4}  {'microbatches':>12}  {'sequences':>9}  {'cost':>14}")
+    print(f"  {'rank':>4}  {'microbatches':>12}  {'sequences':>9}  {'tokens':>12}  {'compute':>14}")
     sequences_per_microbatch = [len(m) for m in plan["microbatches"]]
-    for rank, (slots, cost) in enumerate(zip(plan["ranks"], plan["rank_cost"], strict=True)):
+    per_rank = zip(plan["ranks"], plan["rank_tokens"], plan["rank_compute"], strict=True)
+    for rank, (slots, tokens, cost) in enumerate(per_rank):
         sequences = sum(sequences_per_microbatch[i] for i in slots)
-        print(f"  {rank:>4}  {len(slots):>12}  {sequences:>9}  {cost:>14,.0f}")
+        print(f"  {rank:>4}  {len(slots):>12}  {sequences:>9}  {tokens:>12,}  {cost:>14,.0f}")
+    print(f"(compute: tokens + {plan['compute_weight']:.4g} x sum(L^2), {plan['model']}'s FLOPs)")
     print("(--json prints the microbatches and the per-rank slot order)")
 
 

@@ -92,7 +92,9 @@ def _text(address: str, health: str, status) -> str:
             f"  last step        {last.step}: {last.num_rollouts} rollouts, "
             f"{last.policy_token_count} policy tokens, {last.computed_positions} positions "
             f"computed vs {last.padded_positions} padded, rank imbalance "
-            f"{last.rank_imbalance:.3f}"
+            f"{last.rank_imbalance:.3f} in tokens, {last.compute_rank_imbalance:.3f} in "
+            f"compute, lockstep {last.lockstep_efficiency:.1%} / "
+            f"{last.compute_lockstep_efficiency:.1%}"
         )
     return "\n".join(lines)
 

@@ -293,7 +293,8 @@ def _wait_for(processes: list[subprocess.Popen], abort: threading.Event) -> list
 
 def _step_prices(figures, records, accounting):
     """(real tokens, computed positions, padded positions, StepPrice) of every trained step:
-    the sidecar's record of it when known, else rank 0's figures."""
+    the sidecar's record of it when known (with its compute lockstep efficiency), else rank
+    0's figures (priced at full lockstep)."""
     from rlfeed.service.metrics.figures import price_tokens
 
     steps = []
@@ -302,15 +303,18 @@ def _step_prices(figures, records, accounting):
         if record is not None:
             policy, real = record.policy_token_count, record.real_tokens
             computed, padded = record.computed_positions, record.padded_positions
+            lockstep = record.compute_lockstep_efficiency
         else:
             policy, real = figure["policy_tokens"], figure["tokens"]
             computed, padded = real, figure["padded_positions"]
+            lockstep = 1.0
         price = price_tokens(
             accounting,
             policy_tokens=policy,
             real_tokens=real,
             computed_positions=computed,
             padded_positions=padded,
+            lockstep_efficiency=lockstep,
         )
         steps.append((real, computed, padded, price))
     return steps

@@ -132,12 +132,23 @@ class MetricFamilies:
             "rlfeed_step_largest_microbatch_positions", "Positions of the largest microbatch."
         )
         self.step_imbalance = gauge(
-            "rlfeed_step_rank_imbalance", "Max rank cost / mean rank cost - 1 (0 = balanced)."
+            "rlfeed_step_rank_imbalance",
+            "Max rank tokens / mean rank tokens - 1 (0 = balanced); positions when padded.",
         )
         self.step_lockstep = gauge(
             "rlfeed_step_lockstep_efficiency_ratio",
-            "Share of rank-time spent working: total cost / (ranks x sum of each lockstep "
-            "slot's costliest microbatch).",
+            "Share of rank-time spent working, counted in tokens: tokens / (ranks x sum of "
+            "each lockstep slot's largest microbatch).",
+        )
+        self.step_compute_imbalance = gauge(
+            "rlfeed_step_compute_rank_imbalance",
+            "Max rank compute / mean rank compute - 1 (0 = balanced); compute = tokens + "
+            "attention_weight x sum(L^2), the trained model's predicted FLOPs by default.",
+        )
+        self.step_compute_lockstep = gauge(
+            "rlfeed_step_compute_lockstep_efficiency_ratio",
+            "Share of rank-time spent working, counted in predicted compute: what trainer "
+            "time follows, and what predicted GPU-seconds are divided by.",
         )
         self.step_token_budget = gauge("rlfeed_step_token_budget", "Token budget per microbatch.")
         self.steps_assembled = counter("rlfeed_steps_assembled", "Steps assembled.")
@@ -210,6 +221,11 @@ class MetricFamilies:
         self.padding_gpu_seconds = counter(
             "rlfeed_padding_gpu_seconds", "Predicted GPU-seconds spent on padding."
         )
+        self.lockstep_idle_gpu_seconds = counter(
+            "rlfeed_lockstep_idle_gpu_seconds",
+            "Of the train and logprob phases, predicted GPU-seconds ranks wait for a lockstep "
+            "slot's slowest microbatch: (train + logprob) x (1 - compute lockstep efficiency).",
+        )
         self.avoided_gpu_seconds = counter(
             "rlfeed_padding_avoided_gpu_seconds",
             "Predicted GPU-seconds the padded alternative would spend on padding beyond the plan.",
@@ -270,6 +286,8 @@ class MetricFamilies:
             (self.step_largest, r.largest_microbatch_positions),
             (self.step_imbalance, f.rank_imbalance_excess),
             (self.step_lockstep, r.lockstep_efficiency),
+            (self.step_compute_imbalance, f.compute_rank_imbalance_excess),
+            (self.step_compute_lockstep, r.compute_lockstep_efficiency),
             (self.step_token_budget, f.token_budget),
             (self.step_avoided_gpu_seconds, price.padding_avoided_gpu_seconds),
         ):
@@ -288,6 +306,7 @@ class MetricFamilies:
             (self.groups, groups),
             (self.zero_groups, zero),
             (self.padding_gpu_seconds, price.padding_gpu_seconds),
+            (self.lockstep_idle_gpu_seconds, price.lockstep_idle_gpu_seconds),
             (self.avoided_gpu_seconds, price.padding_avoided_gpu_seconds),
         ):
             counter.inc(amount)

@@ -2,7 +2,8 @@
 
 `StepFigures` wraps the scheduler's `StepRecord` with the run's shape and derives the shares
 (padding, fill, zero-advantage); `price_step` prices it with the scheduling core's roofline
-(`sched.throughput.step_cost_from_tokens`) under the run's `[accounting]` assumptions.
+(`sched.throughput.step_cost_from_tokens`) under the run's `[accounting]` assumptions, the
+train and log-prob passes divided by the step's compute lockstep efficiency.
 Pure arithmetic: no Prometheus, no I/O.
 """
 
@@ -25,7 +26,7 @@ class StepFigures:
     """One assembled step's record with what the shares need: the run's world size and
     token budget, and (when the producer says) the tokens generated for it."""
 
-    record: StepRecord
+    record: StepRecord  # rank figures in tokens, and compute_* in predicted compute
     world_size: int
     token_budget: int
     generated_policy_tokens: int | None = None  # decode-priced tokens; None = policy tokens
@@ -47,8 +48,13 @@ class StepFigures:
 
     @property
     def rank_imbalance_excess(self) -> float:
-        """max rank cost / mean rank cost - 1: 0 when balanced (the exported figure)."""
+        """max rank tokens / mean rank tokens - 1: 0 when balanced (the exported figure)."""
         return self.record.rank_imbalance - 1.0
+
+    @property
+    def compute_rank_imbalance_excess(self) -> float:
+        """The same in predicted compute (tokens + attention_weight x sum(L^2))."""
+        return self.record.compute_rank_imbalance - 1.0
 
     @property
     def fill_ratio(self) -> float:
@@ -73,6 +79,9 @@ class StepPrice:
     gpu_seconds: dict[str, float]  # phase -> GPU-seconds (decode, train, logprob)
     padding_gpu_seconds: float  # training + log-prob passes over the plan's padding
     padding_avoided_gpu_seconds: float  # the same over padded alternative - computed
+    # Of train + logprob, the GPU-seconds ranks idle waiting for a lockstep slot's slowest
+    # microbatch: (train + logprob) x (1 - compute lockstep efficiency).
+    lockstep_idle_gpu_seconds: float = 0.0
 
     @property
     def total_gpu_seconds(self) -> float:
@@ -90,6 +99,7 @@ def price_step(figures: StepFigures, accounting: AccountingConfig) -> StepPrice:
         padded_positions=record.padded_positions,
         generated_policy_tokens=figures.generated_policy_tokens,
         generated_tokens=figures.generated_tokens,
+        lockstep_efficiency=record.compute_lockstep_efficiency,
     )
 
 
@@ -102,12 +112,17 @@ def price_tokens(
     padded_positions: int,
     generated_policy_tokens: int | None = None,
     generated_tokens: int | None = None,
+    lockstep_efficiency: float = 1.0,
 ) -> StepPrice:
     """The price of one step from its token counts alone (what `price_step` and the demo's
     summary use): decode on the policy tokens generated (`generated_policy_tokens`, default
     `policy_tokens`), training and log-prob passes on `computed_positions`, padding avoided
     against `padded_positions` (the padded alternative's padding GPU time minus the
-    plan's). In GPU-seconds, the base unit; stale rollouts are not priced."""
+    plan's). Ranks are paid for while they wait for a lockstep slot's slowest microbatch, so
+    training and log-prob passes are divided by `lockstep_efficiency` (the step's compute
+    lockstep efficiency, in (0, 1]). In GPU-seconds; stale rollouts are not priced."""
+    if not 0.0 < lockstep_efficiency <= 1.0:
+        raise ValueError(f"lockstep_efficiency must be in (0, 1], got {lockstep_efficiency}")
     from rlfeed.sched.models import GPUS, MODELS
     from rlfeed.sched.throughput import step_cost_from_tokens
 
@@ -133,11 +148,14 @@ def price_tokens(
     padded = priced(policy_tokens, real_tokens, max(padded_positions, computed_positions))
     hours = {
         "decode": decode_hours,
-        "train": trained.train_gpu_hours,
-        "logprob": trained.logprob_gpu_hours,
+        "train": trained.train_gpu_hours / lockstep_efficiency,
+        "logprob": trained.logprob_gpu_hours / lockstep_efficiency,
     }
+    busy_hours = trained.train_gpu_hours + trained.logprob_gpu_hours
     return StepPrice(
         gpu_seconds={phase: h * SECONDS_PER_HOUR for phase, h in hours.items()},
+        lockstep_idle_gpu_seconds=(hours["train"] + hours["logprob"] - busy_hours)
+        * SECONDS_PER_HOUR,
         padding_gpu_seconds=trained.padding_gpu_hours * SECONDS_PER_HOUR,
         padding_avoided_gpu_seconds=(padded.padding_gpu_hours - trained.padding_gpu_hours)
         * SECONDS_PER_HOUR,

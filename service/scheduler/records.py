@@ -168,12 +168,14 @@ class StepRecord:
     computed_positions: int
     padded_positions: int
     largest_microbatch_positions: int
-    rank_imbalance: float
-    lockstep_efficiency: float
+    rank_imbalance: float  # in tokens (positions when padded); 1.0 = even
+    lockstep_efficiency: float  # in tokens
     microbatches_per_rank: int
     policy_version: int
     min_policy_version: int
     response_bytes: int
+    compute_rank_imbalance: float  # in predicted compute (the balancing cost)
+    compute_lockstep_efficiency: float  # in predicted compute: what GPU time follows
 
     @classmethod
     def from_plan(
@@ -203,6 +205,8 @@ class StepRecord:
             policy_version=policy_versions[0],
             min_policy_version=policy_versions[1],
             response_bytes=0,
+            compute_rank_imbalance=plan.compute_rank_imbalance,
+            compute_lockstep_efficiency=plan.compute_lockstep_efficiency,
         )
 
 

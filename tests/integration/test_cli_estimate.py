@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from rlfeed.sched.compute import model_attention_weight
 from rlfeed.sched.throughput import GPUS, MODELS, EpisodeShape, param_count, step_gpu_hours
 
 CHAPTER_TOLERANCE = 0.02
@@ -44,6 +45,7 @@ def test_defaults_are_qwen3_8b_on_h200_at_batch_64_and_2k_context():
     assert (result["decode_batch"], result["decode_context"], result["mfu"]) == (64, 2048, 0.4)
     assert result["decode_tokens_per_s"] == pytest.approx(8600, rel=CHAPTER_TOLERANCE)
     assert result["train_tokens_per_s"] == pytest.approx(8000, rel=CHAPTER_TOLERANCE)
+    assert result["attention_weight"] == pytest.approx(model_attention_weight("qwen3-8b"))
     assert "step_gpu_hours" not in result
 
 
@@ -141,6 +143,7 @@ def test_text_output_names_every_figure():
         "params",
         "decode_tokens_per_s",
         "train_tokens_per_s",
+        "attention_weight",
         "step_gpu_hours",
         "run_gpu_hours",
     ):

@@ -10,11 +10,15 @@ import sys
 
 import numpy as np
 import pytest
-from rlfeed.sched.assembly import StepConfig, StepRollouts, assemble_step
+from rlfeed.sched.assembly import StepRollouts, assemble_step
 from rlfeed.sched.balance import balance_ranks
 from rlfeed.sched.budgets import microbatch_positions, token_budget_microbatches
+from rlfeed.sched.compute import model_attention_weight, sequence_flops
+from rlfeed.sched.models import MODELS
+from rlfeed.sched.planning import plan_microbatches
 from rlfeed.service.cli import main
 from rlfeed.service.cli.plan import DEFAULT_BUDGET, example_path
+from rlfeed.service.config import SidecarConfig, with_overrides
 
 LENGTHS = [900, 120, 4000, 35, 35, 2600, 1800, 700, 3999, 64, 4000, 10]
 
@@ -73,17 +77,23 @@ def test_json_plan_is_the_library_plan(capsys, lengths_file, cost, world_size):
     )
     assert code == 0, err
     plan = json.loads(out)
-    # Packed plans spread sequences over a multiple of the world size, as step assembly does.
-    spread_to = int(world_size) if cost == "packed" else 1
-    microbatches = token_budget_microbatches(LENGTHS, 5000, cost=cost, multiple_of=spread_to)
-    expected = balance_ranks(
-        LENGTHS, microbatches, int(world_size), attention_weight=0.001, cost=cost
+    library = plan_microbatches(
+        LENGTHS,
+        5000,
+        int(world_size),
+        cost=cost,
+        attention_weight=0.001,
+        compute_weight=model_attention_weight("qwen3-8b"),
     )
+    expected = library.assignment
+    assert plan["attention_weight"] == 0.001 and plan["attention_weight_from"] == "flag"
     assert plan["microbatches"] == [m.tolist() for m in expected.microbatches]
     assert plan["ranks"] == expected.ranks
     assert plan["num_microbatches"] == len(expected.microbatches)
-    assert plan["rank_imbalance"] == pytest.approx(expected.rank_imbalance)
-    assert plan["lockstep_efficiency"] == pytest.approx(expected.lockstep_efficiency)
+    assert plan["rank_imbalance"] == pytest.approx(library.tokens.rank_imbalance)
+    assert plan["lockstep_efficiency"] == pytest.approx(library.tokens.lockstep_efficiency)
+    assert plan["compute_rank_imbalance"] == pytest.approx(library.compute.rank_imbalance)
+    assert plan["compute_lockstep_efficiency"] == pytest.approx(library.compute.lockstep_efficiency)
     positions = microbatch_positions(LENGTHS, expected.microbatches, cost)
     assert plan["largest_microbatch_tokens"] == int(positions.max())
     assert plan["lower_bound"] == math.ceil(sum(LENGTHS) / 5000)
@@ -107,7 +117,9 @@ def test_no_spread_plan_keeps_the_plain_budget_bins(capsys, lengths_file):
     assert code == 0, err
     plan = json.loads(out)
     microbatches = token_budget_microbatches(LENGTHS, 8000)
-    expected = balance_ranks(LENGTHS, microbatches, 4)
+    expected = balance_ranks(
+        LENGTHS, microbatches, 4, attention_weight=model_attention_weight("qwen3-8b")
+    )
     assert plan["spread"] is False
     assert plan["microbatches"] == [m.tolist() for m in expected.microbatches]
     assert plan["ranks"] == expected.ranks
@@ -127,11 +139,57 @@ def test_plan_is_what_step_assembly_serves(capsys, lengths_file):
             rewards=np.arange(n, dtype=np.float64),  # no zero-advantage group: all kept
             group_ids=np.zeros(n, dtype=np.int64),
         ),
-        StepConfig(token_budget=8000, world_size=4),
+        # The service's defaults: balanced on [accounting] model's FLOPs, like the CLI's.
+        with_overrides(
+            SidecarConfig(), batching={"token_budget": 8000, "world_size": 4}
+        ).step_config(),
     )
     assert plan["microbatches"] == [m.tolist() for m in step.microbatches]
     assert plan["ranks"] == step.ranks
     assert plan["rank_imbalance"] == pytest.approx(step.rank_imbalance)
+    assert plan["compute_lockstep_efficiency"] == pytest.approx(step.compute_lockstep_efficiency)
+
+
+LLAMA3_8B_FLAGS = (
+    "--layers=32", "--hidden=4096", "--heads=32", "--kv-heads=8", "--head-dim=128",
+    "--intermediate=14336", "--vocab=128256",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "flags"),
+    [("qwen3-0.6b", ("--model", "qwen3-0.6b")), ("llama3-8b", LLAMA3_8B_FLAGS)],
+)
+def test_model_flags_set_the_weight_and_per_rank_flops(capsys, lengths_file, model, flags):
+    code, out, err = run_plan(
+        capsys, "--lengths", str(lengths_file), "--budget", "8000", "--world-size", "3",
+        *flags, "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    weight = model_attention_weight(model)
+    assert plan["attention_weight"] == pytest.approx(weight, rel=1e-12)
+    assert plan["attention_weight_from"] == "model"
+    expected = plan_microbatches(LENGTHS, 8000, 3, attention_weight=weight).assignment
+    assert plan["ranks"] == expected.ranks
+    # Each rank's predicted compute is the FLOP count of the sequences it runs.
+    flops = sequence_flops(MODELS[model], LENGTHS)
+    for slots, predicted in zip(plan["ranks"], plan["rank_compute_flops"], strict=True):
+        members = [i for slot in slots for i in plan["microbatches"][slot]]
+        assert predicted == pytest.approx(float(flops[members].sum()), rel=1e-9)
+    assert plan["rank_tokens"] == [
+        sum(LENGTHS[i] for slot in slots for i in plan["microbatches"][slot])
+        for slots in plan["ranks"]
+    ]
+
+
+def test_bad_model_flags_exit_2(capsys, lengths_file):
+    code, out, err = run_plan(capsys, "--lengths", str(lengths_file), "--model", "qwen9")
+    assert code == 2 and out == ""
+    assert "argument --model: invalid choice 'qwen9'" in err
+    code, _, err = run_plan(capsys, "--lengths", str(lengths_file), "--layers", "4")
+    assert code == 2
+    assert "a custom architecture needs every architecture flag" in err
 
 
 def test_stdin_blank_lines_and_comments_are_ignored(capsys, monkeypatch):
@@ -148,6 +206,8 @@ def test_human_table_names_the_figures(capsys, lengths_file):
     assert code == 0
     for figure in ("microbatches", "lower bound", "padding share", "rank imbalance"):
         assert figure in out
+    assert "in tokens" in out and "in compute" in out
+    assert "qwen3-8b's FLOPs" in out
     assert f"budget {DEFAULT_BUDGET:,}" in out
 
 

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.sched.compute import model_attention_weight
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
 from rlfeed.service.frontend.codec import decode_microbatch
 from rlfeed.service.metrics.exporter import SidecarExporter
@@ -128,6 +129,8 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
     row_of = submitted.row_of()
     lengths, microbatch_tokens, policy_tokens, rewards_of_group = [], [], 0, {}
     slot_tokens = np.zeros((len(responses), len(responses[0].microbatches)))  # [rank, slot]
+    slot_compute = np.zeros_like(slot_tokens)  # tokens + w L^2 with the model's own weight
+    weight = model_attention_weight(ACCOUNTING["model"])
     for rank, response in enumerate(responses):
         for slot, message in enumerate(response.microbatches):
             arrays = decode_microbatch(message)
@@ -137,6 +140,7 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
             policy_tokens += int(arrays["loss_mask"].sum())
             for k, rollout_id in enumerate(message.rollout_ids):
                 lengths.append(int(cu[k + 1] - cu[k]))
+                slot_compute[rank, slot] += lengths[-1] + weight * lengths[-1] ** 2
                 row = row_of[rollout_id]
                 rewards_of_group.setdefault(submitted.group_ids[row], set()).add(
                     submitted.rewards[row]
@@ -155,12 +159,17 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
         "imbalance": slot_tokens.sum(axis=1).max() / slot_tokens.sum(axis=1).mean() - 1,
         # Ranks wait for each other at every slot: time is the slot's costliest microbatch.
         "lockstep": slot_tokens.sum() / (len(responses) * slot_tokens.max(axis=0).sum()),
+        "compute_imbalance": slot_compute.sum(axis=1).max() / slot_compute.sum(axis=1).mean() - 1,
+        "compute_lockstep": slot_compute.sum() / (len(responses) * slot_compute.max(axis=0).sum()),
     }
 
 
-def hand_priced_gpu_seconds(*, policy: int, computed: int, padded: int) -> dict[str, float]:
+def hand_priced_gpu_seconds(step: dict) -> dict[str, float]:
     """The roofline by hand (chapter 14.6) under ACCOUNTING: decode reads the weights and
-    b x c KV entries per b tokens; training 6N FLOPs per position at mfu; a log-prob pass 2N."""
+    b x c KV entries per b tokens; training 6N FLOPs per position at mfu; a log-prob pass 2N;
+    ranks idle in lockstep are paid for, so training and log-prob passes take 1 / (compute
+    lockstep efficiency) as long."""
+    policy, computed, padded = step["policy"], step["computed"], step["padded"]
     arch, gpu = MODELS[ACCOUNTING["model"]], GPUS[ACCOUNTING["gpu"]]
     n_params, b = param_count(arch), ACCOUNTING["decode_batch"]
     seconds_per_decode_step = (
@@ -171,8 +180,12 @@ def hand_priced_gpu_seconds(*, policy: int, computed: int, padded: int) -> dict[
     logprob_factor = ACCOUNTING["logprob_forward_passes"] * 2 / 6
     return {
         "decode": policy * seconds_per_decode_step / b / ACCOUNTING["busy_fraction"],
-        "train": computed * train_per_position,
-        "logprob": computed * train_per_position * logprob_factor,
+        "train": computed * train_per_position / step["compute_lockstep"],
+        "logprob": computed * train_per_position * logprob_factor / step["compute_lockstep"],
+        "idle": computed
+        * train_per_position
+        * (1 + logprob_factor)
+        * (1 / step["compute_lockstep"] - 1),
         "avoided": (padded - computed) * train_per_position * (1 + logprob_factor),
     }
 
@@ -237,6 +250,12 @@ def test_live_metrics_equal_what_the_served_microbatches_contain(live_sidecar, c
     )
     assert metric(m, "rlfeed_step_rank_imbalance") == pytest.approx(newest["imbalance"])
     assert metric(m, "rlfeed_step_lockstep_efficiency_ratio") == pytest.approx(newest["lockstep"])
+    assert metric(m, "rlfeed_step_compute_rank_imbalance") == pytest.approx(
+        newest["compute_imbalance"]
+    )
+    assert metric(m, "rlfeed_step_compute_lockstep_efficiency_ratio") == pytest.approx(
+        newest["compute_lockstep"]
+    )
     assert metric(m, "rlfeed_step_zero_advantage_groups_ratio") == pytest.approx(
         newest["zero_groups"] / newest["groups"]
     )
@@ -250,11 +269,10 @@ def test_live_metrics_equal_what_the_served_microbatches_contain(live_sidecar, c
     assert metric(m, "rlfeed_zero_advantage_groups_window_ratio") == pytest.approx(
         both["zero_groups"] / both["groups"]
     )
-    # Predicted GPU time of the newest step, and of both (the price is linear in tokens).
-    step_hand, total_hand = (
-        hand_priced_gpu_seconds(policy=f["policy"], computed=f["computed"], padded=f["padded"])
-        for f in (newest, both)
-    )
+    # Predicted GPU time of the newest step, and of both.
+    step_hand = hand_priced_gpu_seconds(newest)
+    priced = [hand_priced_gpu_seconds(f) for f in figures]
+    total_hand = {k: sum(p[k] for p in priced) for k in step_hand}
     for phase in ("decode", "train", "logprob"):
         assert metric(m, "rlfeed_step_predicted_gpu_seconds", phase=phase) == pytest.approx(
             step_hand[phase], rel=1e-9
@@ -267,6 +285,9 @@ def test_live_metrics_equal_what_the_served_microbatches_contain(live_sidecar, c
     )
     assert metric(m, "rlfeed_padding_avoided_gpu_seconds_total") == pytest.approx(
         total_hand["avoided"], rel=1e-9
+    )
+    assert metric(m, "rlfeed_lockstep_idle_gpu_seconds_total") == pytest.approx(
+        total_hand["idle"], rel=1e-9
     )
     # Serving health: both ranks fetched both steps once.
     assert metric(m, "rlfeed_steps_served_total") == 2

@@ -119,6 +119,32 @@ def test_padded_alternative_and_plan_padding_share():
     assert 0.0 < padded.padding_share < packed.padded_alternative_padding_share
 
 
+def test_step_reports_balance_in_tokens_and_in_compute():
+    rollouts, _ = make_step(np.random.default_rng(4), groups=12, group_size=4, max_len=900)
+    weight = 0.002
+    plan = assemble_step(
+        rollouts, StepConfig(token_budget=3000, world_size=4, attention_weight=weight)
+    )
+    lengths = np.asarray(rollouts.lengths)
+    per_unit = {}
+    for unit, w in (("tokens", 0.0), ("compute", weight)):
+        costs = [sum(int(x) + w * int(x) ** 2 for x in lengths[m]) for m in plan.microbatches]
+        ranks = [sum(costs[m] for m in rank) for rank in plan.ranks]
+        slowest = [max(costs[r[s]] for r in plan.ranks) for s in range(len(plan.ranks[0]))]
+        per_unit[unit] = (max(ranks) / np.mean(ranks), sum(costs) / (4 * sum(slowest)))
+    assert plan.rank_imbalance == pytest.approx(per_unit["tokens"][0])
+    assert plan.lockstep_efficiency == pytest.approx(per_unit["tokens"][1])
+    assert plan.compute_rank_imbalance == pytest.approx(per_unit["compute"][0])
+    assert plan.compute_lockstep_efficiency == pytest.approx(per_unit["compute"][1])
+    # Balanced on tokens, counted in compute: the same plan as attention_weight 0 gives.
+    token_plan = assemble_step(
+        rollouts, StepConfig(token_budget=3000, world_size=4, compute_weight=weight)
+    )
+    tokens_only = assemble_step(rollouts, StepConfig(token_budget=3000, world_size=4))
+    assert token_plan.ranks == tokens_only.ranks
+    assert token_plan.lockstep_efficiency == tokens_only.compute_lockstep_efficiency
+
+
 def test_gather_token_ranges_matches_concatenated_slices():
     offsets = np.array([0, 3, 3, 8, 10])
     got = gather_token_ranges(offsets, np.array([2, 0, 3]))

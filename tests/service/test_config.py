@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from rlfeed.sched.assembly import StepConfig
+from rlfeed.sched.compute import model_attention_weight
 from rlfeed.sched.curriculum import CurriculumConfig
 from rlfeed.service.config import (
     SidecarConfig,
@@ -102,6 +103,30 @@ def test_dumped_config_reads_back_to_the_same_config(fmt: str) -> None:
     assert config_from_dict(values) == config
 
 
+def test_attention_weight_defaults_to_the_accounting_models_own() -> None:
+    for model in ("qwen3-0.6b", "llama3-70b"):
+        config = with_overrides(SidecarConfig(), accounting={"model": model})
+        assert config.step_config().attention_weight == model_attention_weight(model)
+        # The dump keeps following the model and prints the resolved number next to it.
+        text = dump_config(config, "toml")
+        line = next(x for x in text.splitlines() if x.startswith("attention_weight"))
+        assert line.startswith("attention_weight = -1.0  # resolved: ")
+        assert f"{model_attention_weight(model):.4g} from {model}" in line
+        assert config_from_dict(tomllib.loads(text)) == config
+
+
+def test_an_explicit_attention_weight_wins_and_prints_alone() -> None:
+    config = with_overrides(
+        SidecarConfig(), batching={"attention_weight": 0.0}, accounting={"model": "qwen3-0.6b"}
+    )
+    assert config.step_config().attention_weight == 0.0
+    # The step's compute figures are still counted in the model's FLOPs.
+    assert config.step_config().compute_weight == model_attention_weight("qwen3-0.6b")
+    assert "\nattention_weight = 0.0\n" in dump_config(config, "toml")
+    with pytest.raises(ValueError, match=r"\[batching\] attention_weight: must be >= 0, or -1"):
+        with_overrides(SidecarConfig(), batching={"attention_weight": -0.5})
+
+
 def test_sections_map_onto_the_scheduling_core_configs() -> None:
     config = with_overrides(
         SidecarConfig(),
@@ -113,6 +138,7 @@ def test_sections_map_onto_the_scheduling_core_configs() -> None:
         token_budget=1000,
         world_size=3,
         attention_weight=0.5,
+        compute_weight=model_attention_weight(config.accounting.model),
         advantage_mode="constant",
         advantage_scale=4.0,
         drop_zero_advantage=True,

@@ -173,9 +173,10 @@ def test_groups_dropped_for_zero_advantage_count_towards_the_share():
     assert value(metrics, "rlfeed_step_zero_advantage_groups_ratio") == pytest.approx(expected)
 
 
-def hand_priced_gpu_hours(cost: AccountingConfig, *, policy, real, computed, padded):
+def hand_priced_gpu_hours(cost: AccountingConfig, *, policy, real, computed, padded, lockstep):
     """Chapter 14.6 by hand: decode reads 2N + b c s_kv bytes per b tokens; training costs
-    6N FLOPs per position at mfu; each log-prob pass 2N."""
+    6N FLOPs per position at mfu; each log-prob pass 2N; every rank is paid for while it
+    waits in lockstep, so training and log-prob passes take 1 / lockstep as long."""
     arch, gpu = MODELS[cost.model], GPUS[cost.gpu]
     n_params = param_count(arch)
     step_seconds = (
@@ -188,8 +189,9 @@ def hand_priced_gpu_hours(cost: AccountingConfig, *, policy, real, computed, pad
     logprob_factor = cost.logprob_forward_passes * 2 / 6
     return {
         "decode": decode,
-        "train": computed * per_position,
-        "logprob": computed * per_position * logprob_factor,
+        "train": computed * per_position / lockstep,
+        "logprob": computed * per_position * logprob_factor / lockstep,
+        "idle": computed * per_position * (1 + logprob_factor) * (1 / lockstep - 1),
         "padding": (computed - real) * per_position * (1 + logprob_factor),
         "avoided": (padded - computed) * per_position * (1 + logprob_factor),
     }
@@ -205,6 +207,8 @@ def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
         computed_positions=512 * 23_600 + 100_000,
         padded_positions=512 * 60_000,
         microbatches_per_rank=24,
+        lockstep_efficiency=0.999,
+        compute_lockstep_efficiency=0.9,
     )
     metrics = SidecarMetrics(MetricsConfig(accounting=cost))
     metrics.on_step(record)
@@ -215,6 +219,7 @@ def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
         real=record.real_tokens,
         computed=record.computed_positions,
         padded=record.padded_positions,
+        lockstep=record.compute_lockstep_efficiency,
     )
     for phase in ("decode", "train", "logprob"):
         step = value(metrics, "rlfeed_step_predicted_gpu_seconds", phase=phase) / 3600
@@ -227,8 +232,35 @@ def test_predicted_gpu_hours_of_a_known_step_match_the_roofline_by_hand():
     assert value(metrics, "rlfeed_step_padding_avoided_gpu_seconds") / 3600 == pytest.approx(
         hours["avoided"], rel=1e-9
     )
-    # The chapter's step of this shape costs about 1.6 GPU-hours.
-    assert 1.2 < hours["decode"] + hours["train"] + hours["logprob"] < 2.0
+    assert value(metrics, "rlfeed_lockstep_idle_gpu_seconds_total") / 3600 == pytest.approx(
+        2 * hours["idle"], rel=1e-9
+    )
+    # The chapter's step of this shape costs about 1.6 GPU-hours (at full lockstep).
+    at_full_lockstep = hours["decode"] + 0.9 * (hours["train"] + hours["logprob"])
+    assert 1.2 < at_full_lockstep < 2.0
+
+
+def test_step_balance_is_published_in_tokens_and_in_compute():
+    record = step_record(
+        rank_imbalance=1.01,
+        lockstep_efficiency=0.98,
+        compute_rank_imbalance=1.2,
+        compute_lockstep_efficiency=0.8,
+    )
+    metrics = SidecarMetrics()
+    metrics.on_step(record)
+    assert value(metrics, "rlfeed_step_rank_imbalance") == pytest.approx(0.01)
+    assert value(metrics, "rlfeed_step_lockstep_efficiency_ratio") == pytest.approx(0.98)
+    assert value(metrics, "rlfeed_step_compute_rank_imbalance") == pytest.approx(0.2)
+    assert value(metrics, "rlfeed_step_compute_lockstep_efficiency_ratio") == pytest.approx(0.8)
+    # Training and log-prob GPU time follow compute lockstep, not token lockstep.
+    even = SidecarMetrics()
+    even.on_step(step_record(compute_lockstep_efficiency=1.0))
+    for phase, ratio in (("decode", 1.0), ("train", 1 / 0.8), ("logprob", 1 / 0.8)):
+        seconds = value(metrics, "rlfeed_step_predicted_gpu_seconds", phase=phase)
+        assert seconds == pytest.approx(
+            ratio * value(even, "rlfeed_step_predicted_gpu_seconds", phase=phase)
+        )
 
 
 def test_decode_is_priced_on_the_generated_tokens_when_the_record_has_them():
