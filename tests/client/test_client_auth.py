@@ -12,13 +12,8 @@ from concurrent import futures
 import grpc
 import pytest
 from rlfeed.client.auth import ChannelSecurity, open_channel
-from rlfeed.client.transport import (
-    AuthenticationError,
-    InProcessTransport,
-    SidecarError,
-    _sidecar_error,
-    connect,
-)
+from rlfeed.client.transport import AuthenticationError, SidecarError, _sidecar_error, connect
+from rlfeed.service.inprocess import InProcessTransport
 
 TOKEN = secrets.token_urlsafe(32)
 

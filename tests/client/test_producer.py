@@ -255,7 +255,7 @@ def test_an_unavailable_sidecar_is_retried_and_nothing_counts_twice():
 
 def test_a_lasting_outage_surfaces_with_the_rollout_ids_to_resend():
     flaky = Flaky(make_transport(), outages=10**6)
-    writer = RolloutWriter(flaky, max_batch_rollouts=2, retry_unavailable_s=0.05)
+    writer = RolloutWriter(flaky, max_batch_rollouts=2, connect_timeout_s=0.05)
     writer.write(**rollout(0))
     writer.write(**rollout(1))
     with pytest.raises(SidecarError) as error:
