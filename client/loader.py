@@ -11,13 +11,22 @@ tensors alias the Arrow buffers). While the trainer works on step s, a backgroun
 fetches steps s+1 .. s+prefetch; it starts at the first `iter()`, never at import or
 construction, and `close()` (or leaving the `with` block) stops it.
 
-Memory: on glibc, the loader's first fetch sets this process's malloc to keep up to
-`retained_free_mib` of freed memory for the next step's buffers (`client.allocator`, the
-setting the sidecar's front-end uses for itself): each step's response, gRPC's receive
-buffers and their copies then reuse pages the process already has instead of being
-faulted in anew (~2 us per 4 KiB page on a small VM; in the 8k-token benchmark a rank's
-2-28k page faults per run fell under 5k). The setting is process-wide and stays; pass
-`retained_free_mib=0` to leave the allocator alone.
+Failing loud: a sidecar that does not answer (nothing listens at the address, the host
+name does not resolve, the sidecar crashed mid-run) is asked again for `connect_timeout_s`
+(default 30 s, or RLFEED_CONNECT_TIMEOUT_S), with a warning naming the address logged at
+once and every 10 s; then `SidecarUnreachableError` (a `SidecarError` and a
+`ConnectionError`) names the address and how long it tried. A world size that is not the
+sidecar's raises `WorldSizeMismatchError`, any other refused request
+`InvalidRequestError` (both `ValueError`s).
+
+Memory (opt-in): with `retained_free_mib` > 0, on glibc, the loader's first fetch sets
+this process's malloc to keep up to that much freed memory for the next step's buffers
+(`client.allocator`, the setting the sidecar's front-end uses for itself): each step's
+response, gRPC's receive buffers and their copies then reuse pages the process already
+has instead of being faulted in anew (in the 8k-token benchmark a rank's 2-28k page
+faults per run fell under 5k at 256 MiB). It is off by default because it changes the
+whole trainer process's allocator (it stays set) and no time saving has been measured
+for a GPU trainer, whose step time the page faults of its batches hardly touch.
 
 Resuming: `state_dict()` holds the next step to yield; a loader given that state by
 `load_state_dict()` yields the same step next, and the sidecar answers a re-fetch of a
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -37,11 +47,25 @@ from typing import Any
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
-from rlfeed.client.transport import SidecarError, Transport, connect, fast_variant
+from rlfeed.client.transport import (
+    InvalidRequestError,
+    Outage,
+    SidecarError,
+    Transport,
+    WorldSizeMismatchError,
+    address_of,
+    connect,
+    connect_timeout,
+    fast_variant,
+)
 from rlfeed.proto import rlfeed_pb2 as pb
 
-DEFAULT_RETAINED_FREE_MIB = 256
-"""Room for a few steps' responses and gRPC's buffers of them (tens of MiB each at most)."""
+DEFAULT_RETAINED_FREE_MIB = 0
+"""Opt-in (see the module docstring); 256 MiB holds a few steps' responses and gRPC's
+buffers of them (tens of MiB each at most)."""
+
+# The sidecar's message for a rank it does not serve: "rank 2 is outside [0, 2)".
+_RANK_OUTSIDE = re.compile(r"rank (\d+) is outside \[0, (\d+)\)")
 
 # Between asks after an UNAVAILABLE answer (a front-end leaving or restarting), at most.
 _UNAVAILABLE_RETRY_S = 0.1
@@ -91,12 +115,16 @@ class BatchLoader:
 
     address_or_transport: "host:port" of a sidecar, or a `Transport`.
     rank, world_size: default to torchrun's RANK / WORLD_SIZE (0 / 1 when unset); checked
-      against the sidecar's world size at the first fetch.
+      against the sidecar's world size at the first fetch (`WorldSizeMismatchError`).
     prefetch: steps fetched ahead in the background (0 = fetch on demand, no thread).
     timeout_s: longest wait for one step to be assembled before TimeoutError.
     poll_s: longest single server-side wait; bounds how long `close()` takes.
+    connect_timeout_s: how long an unreachable sidecar is asked again (a warning naming
+      the address at once, then every 10 s) before `SidecarUnreachableError`; default
+      RLFEED_CONNECT_TIMEOUT_S, else 30 s. Never longer than `timeout_s`.
     retained_free_mib: free memory (MiB) a heap of this process may keep for reuse, set at
-      the first fetch (process-wide; see the module docstring); 0 = glibc's defaults.
+      the first fetch (process-wide; see the module docstring); 0 (the default) leaves
+      glibc's defaults alone.
     token, tls_ca, tls_cert, tls_key, tls_server_name: a secured sidecar's credentials
       (see `GrpcTransport`; default: `RLFEED_TOKEN`, `RLFEED_TLS_CA`, ... from the
       environment). A refused credential raises `AuthenticationError`.
@@ -113,6 +141,7 @@ class BatchLoader:
         prefetch: int = 1,
         timeout_s: float = 600.0,
         poll_s: float = 0.5,
+        connect_timeout_s: float | None = None,
         retained_free_mib: int = DEFAULT_RETAINED_FREE_MIB,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -154,6 +183,8 @@ class BatchLoader:
         self.stop_step = stop_step
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.connect_timeout_s = connect_timeout(connect_timeout_s)
+        self.address = address_of(self._transport)
         self._next_step = start_step
         self._prefetcher: _Prefetcher | None = None
 
@@ -173,20 +204,22 @@ class BatchLoader:
 
     def fetch(self, step: int) -> TrainStep:
         """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
-        UNAVAILABLE answer (a front-end leaving or restarting) is asked again until then:
-        a fetch is idempotent, the answer byte-identical wherever it comes from (so a
-        sidecar that is gone for good surfaces after `timeout_s`, not at once)."""
+        UNAVAILABLE answer (a front-end leaving or restarting) is asked again for up to
+        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`:
+        a fetch is idempotent, the answer byte-identical wherever it comes from."""
         if self._retained_free_bytes:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
         deadline = time.monotonic() + self.timeout_s
+        outage = Outage(self.address, min(self.connect_timeout_s, self.timeout_s))
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
             try:
                 response = self._get_batch(step, self.rank, wait)
             except SidecarError as exc:
-                if exc.code != "UNAVAILABLE" or time.monotonic() >= deadline:
-                    raise
+                if exc.code == "INVALID_ARGUMENT":
+                    raise self._invalid_request(exc) from None
+                outage.failed(exc)  # re-raises anything else, and a lasting outage
                 if self._prefetcher is not None and self._prefetcher.stopping:
                     raise _Stopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
@@ -200,12 +233,17 @@ class BatchLoader:
             if self._prefetcher is not None and self._prefetcher.stopping:
                 raise _Stopped
 
+    def _invalid_request(self, exc: SidecarError) -> InvalidRequestError:
+        """The sidecar's INVALID_ARGUMENT to a fetch, as the trainer-side error it is."""
+        outside = _RANK_OUTSIDE.search(exc.message)
+        if outside is not None and int(outside.group(1)) == self.rank:
+            served = int(outside.group(2))
+            return WorldSizeMismatchError(self.world_size, served, self.rank)
+        return exc if isinstance(exc, InvalidRequestError) else InvalidRequestError(exc.message)
+
     def _decode(self, response: pb.GetBatchResponse | ServedResponse, step: int) -> TrainStep:
         if response.world_size != self.world_size:
-            raise ValueError(
-                f"this loader has world_size={self.world_size} but the sidecar serves "
-                f"world_size={response.world_size} (set WORLD_SIZE or [batching] world_size)"
-            )
+            raise WorldSizeMismatchError(self.world_size, int(response.world_size), self.rank)
         if response.step != step or response.rank != self.rank:
             raise ValueError(
                 f"asked for step {step} rank {self.rank}, got step {response.step} "

@@ -17,7 +17,16 @@ growing without bound.
 
 A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
 it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,
-is raised by the next `write()`, `flush()` or `close()`.
+is raised by the next `write()`, `flush()` or `close()`. A sidecar that does not answer
+(UNAVAILABLE: nothing listens at the address, the name does not resolve, it crashed) is
+asked again for `connect_timeout_s` (default 30 s, or RLFEED_CONNECT_TIMEOUT_S) with a
+warning naming the address logged at once and every 10 s; then `SidecarUnreachableError`
+(with the batch's `rollout_ids`, to re-send) is raised the same way.
+
+`write()` checks that every value fits the wire type it is narrowed to (token ids int32,
+action mask 0/1 as uint8, log-probs finite as float32, policy_version int64) and raises a
+`ValueError` naming the rollout and the field otherwise: a token id of 2**32 + 7 is never
+sent as 7.
 """
 
 from __future__ import annotations
@@ -34,15 +43,22 @@ from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, enco
 from rlfeed.client.transport import (
     BufferFullError,
     InvalidRolloutsError,
+    Outage,
     SidecarError,
     Transport,
+    address_of,
     connect,
+    connect_timeout,
     fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
 
 # A sidecar restarting or briefly overloaded; re-sending the same batch is idempotent.
 _TRANSIENT_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # RolloutWriter's batch limits (the benchmark sends the same batches through its raw stream).
 DEFAULT_MAX_BATCH_ROLLOUTS = 256
@@ -64,9 +80,11 @@ class RolloutWriter:
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
     retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
-    retry_unavailable_s: how long a batch is re-sent while the sidecar is UNAVAILABLE (or
-      the call times out) before the error surfaces with the batch's `rollout_ids`.
-      Re-sending is safe: rollout ids are idempotency keys, so nothing counts twice.
+    connect_timeout_s: how long a batch (or a task call) is re-sent while the sidecar is
+      UNAVAILABLE (or the call times out), with a warning naming the address at once and
+      every 10 s, before `SidecarUnreachableError` surfaces with the batch's
+      `rollout_ids`; default RLFEED_CONNECT_TIMEOUT_S, else 30 s. Re-sending is safe:
+      rollout ids are idempotency keys, so nothing counts twice.
     max_in_flight: batches submitted at once. 1 keeps this writer's batches in write
       order at the sidecar; more overlaps one batch's round trip with the next ones (the
       sidecar may then see them in another order; acks still come back in batch order).
@@ -87,7 +105,7 @@ class RolloutWriter:
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
-        retry_unavailable_s: float = 30.0,
+        connect_timeout_s: float | None = None,
         max_in_flight: int = 1,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -123,7 +141,8 @@ class RolloutWriter:
         self.on_full = on_full
         self.block_timeout_s = block_timeout_s
         self.retry_backoff_s = retry_backoff_s
-        self.retry_unavailable_s = retry_unavailable_s
+        self.connect_timeout_s = connect_timeout(connect_timeout_s)
+        self.address = address_of(self._transport)
         self.max_in_flight = max_in_flight
 
         self._pending = RolloutColumns.empty()
@@ -153,7 +172,15 @@ class RolloutWriter:
         sampler_logprobs: Sequence[float] | np.ndarray,
     ) -> None:
         """Buffer one rollout (token_ids int32 [L], action_mask 0/1 [L] with mask[0] = 0,
-        sampler_logprobs float32 [L]); sends a batch once `max_batch_rollouts` are pending."""
+        sampler_logprobs float32 [L]); sends a batch once `max_batch_rollouts` are pending.
+        A value that does not fit its wire type is a ValueError naming the field."""
+        token_ids, action_mask, sampler_logprobs = narrowed_columns(
+            rollout_id, token_ids, action_mask, sampler_logprobs
+        )
+        if not _INT64_MIN <= int(policy_version) <= _INT64_MAX:
+            raise ValueError(
+                f"rollout {rollout_id!r}: policy_version {policy_version} does not fit int64"
+            )
         with self._cond:
             self._raise_pending_error()
             self._check_open()
@@ -228,12 +255,19 @@ class RolloutWriter:
     # -- tasks ----------------------------------------------------------------------------
 
     def register_tasks(self, task_ids: Sequence[str]) -> int:
-        """Add tasks to the sidecar's pool (known ids are ignored); returns how many were new."""
-        return int(self._transport.register_tasks([str(t) for t in task_ids]).added)
+        """Add tasks to the sidecar's pool (known ids are ignored); returns how many were new.
+        An unreachable sidecar is asked again for `connect_timeout_s`."""
+        ids = [str(t) for t in task_ids]
+        return int(self._outage().call(lambda: self._transport.register_tasks(ids)).added)
 
     def sample_tasks(self, n: int) -> list[str]:
-        """The next tasks to run, per the sidecar's curriculum; may be fewer than n."""
-        return list(self._transport.sample_tasks(int(n)).task_ids)
+        """The next tasks to run, per the sidecar's curriculum; may be fewer than n. An
+        unreachable sidecar is asked again for `connect_timeout_s`."""
+        response = self._outage().call(lambda: self._transport.sample_tasks(int(n)))
+        return list(response.task_ids)
+
+    def _outage(self) -> Outage:
+        return Outage(self.address, self.connect_timeout_s, _TRANSIENT_CODES)
 
     # -- internals (hold self._cond) --------------------------------------------------------
 
@@ -325,7 +359,7 @@ class RolloutWriter:
         else:
             send = lambda: self._transport.submit(request)  # noqa: E731
         backoff = self.retry_backoff_s
-        give_up_at = time.monotonic() + self.retry_unavailable_s
+        outage = self._outage()
         while True:
             try:
                 return send(), None
@@ -333,10 +367,55 @@ class RolloutWriter:
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
             except SidecarError as exc:
                 # A full sidecar is waited out for as long as it takes; an unreachable one
-                # for retry_unavailable_s.
-                transient = exc.code in _TRANSIENT_CODES and time.monotonic() < give_up_at
-                if not (isinstance(exc, BufferFullError) or transient):
+                # for connect_timeout_s.
+                if not isinstance(exc, BufferFullError):
                     exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
-                    return None, exc
+                    try:
+                        outage.failed(exc)
+                    except SidecarError as final:
+                        return None, final
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+
+
+def narrowed_columns(
+    rollout_id: str,
+    token_ids: Sequence[int] | np.ndarray,
+    action_mask: Sequence[int] | np.ndarray,
+    sampler_logprobs: Sequence[float] | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The three token columns as their wire types (int32, uint8, float32), or a ValueError
+    naming the rollout, the field and the first value that does not survive narrowing (a
+    cast alone wraps a token id of 2**32 + 7 to 7). Arrays already of the wire type pass
+    unchecked and uncopied: the server validates their values."""
+    tokens = _narrowed(rollout_id, "token_ids", token_ids, np.int32)
+    mask = _narrowed(rollout_id, "action_mask", action_mask, np.uint8)
+    logprobs = _narrowed(rollout_id, "sampler_logprobs", sampler_logprobs, np.float32)
+    return tokens, mask, logprobs
+
+
+def _narrowed(rollout_id: str, field: str, values, dtype: type[np.generic]) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype == dtype:
+        return array
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"rollout {rollout_id!r}: field {field}: got {array.dtype}, not numbers")
+    floats = array.dtype.kind == "f"
+    if dtype is np.float32:
+        bad = ~np.isfinite(array) | (np.abs(array) > _FLOAT32_MAX) if floats else None
+        rule = "is not a finite float32"
+    elif dtype is np.uint8:  # the action mask
+        bad = (array != 0) & (array != 1)
+        rule = "is not 0 or 1"
+    else:
+        bad = (array < _INT32_MIN) | (array > _INT32_MAX)
+        if floats:
+            bad |= ~np.isfinite(array) | (array != np.round(array))
+        rule = "is not an int32"
+    if bad is not None and bad.any():
+        index = int(np.flatnonzero(bad.ravel())[0])
+        raise ValueError(
+            f"rollout {rollout_id!r}: field {field}: {array.ravel()[index].item()} at token "
+            f"{index} {rule}"
+        )
+    return array.astype(dtype)

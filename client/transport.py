@@ -6,19 +6,38 @@ calls a running sidecar; `rlfeed.service.inprocess.InProcessTransport` runs the 
 own code in the calling process (no gRPC, no Ray), so client and trainer code is testable
 without a server.
 
-Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT, with
-its message), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
+Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT to a
+rollout batch, with its message), `InvalidRequestError` (INVALID_ARGUMENT to any other
+call, e.g. a trainer's rank; `WorldSizeMismatchError` when the loader's world size is not
+the sidecar's), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
 (NOT_FOUND: the step is no longer retained), `AuthenticationError` (UNAUTHENTICATED or
 PERMISSION_DENIED: the token or certificate was refused), `SidecarError` for anything
-else.
+else. A transport raises UNAVAILABLE as a plain `SidecarError`, at once; the clients
+retry it for `connect_timeout_s` (`Outage`, with a warning naming the address), then
+raise `SidecarUnreachableError`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
+
+_log = logging.getLogger(__name__)
+
+ENV_CONNECT_TIMEOUT = "RLFEED_CONNECT_TIMEOUT_S"
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+"""How long a client keeps asking an unreachable sidecar (a restart takes seconds)."""
+
+# While a sidecar stays unreachable, a warning this often (the first one at once).
+_WARN_EVERY_S = 10.0
+
+_T = TypeVar("_T")
 
 
 class SidecarError(RuntimeError):
@@ -40,6 +59,44 @@ class InvalidRolloutsError(SidecarError, ValueError):
     def __init__(self, message: str, rollout_ids: tuple[str, ...] = ()) -> None:
         super().__init__("INVALID_ARGUMENT", message)
         self.rollout_ids = rollout_ids
+
+
+class InvalidRequestError(SidecarError, ValueError):
+    """The sidecar refused a call other than a rollout batch as invalid (INVALID_ARGUMENT):
+    a trainer's step or rank, a task id. `message` is the server's reason."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("INVALID_ARGUMENT", message)
+
+
+class WorldSizeMismatchError(InvalidRequestError):
+    """A `BatchLoader`'s world size (`world_size`, from WORLD_SIZE or its argument) is not
+    the one the sidecar cuts steps for (`served_world_size`, its `[batching] world_size`;
+    0 where the sidecar only said the rank is outside it)."""
+
+    def __init__(self, world_size: int, served_world_size: int, rank: int) -> None:
+        served = f"world_size={served_world_size}" if served_world_size else "fewer ranks"
+        super().__init__(
+            f"this loader (rank {rank}) has world_size={world_size} but the sidecar serves "
+            f"{served} (set WORLD_SIZE, or [batching] world_size on the sidecar)"
+        )
+        self.world_size = world_size
+        self.served_world_size = served_world_size
+
+
+class SidecarUnreachableError(SidecarError, ConnectionError):
+    """No sidecar answered at `address` for `waited_s` seconds (`code` UNAVAILABLE or
+    DEADLINE_EXCEEDED: nothing listens there, the host name does not resolve, or the
+    sidecar stopped). `message` ends with the last gRPC reason."""
+
+    def __init__(self, code: str, address: str, waited_s: float, reason: str) -> None:
+        super().__init__(
+            code,
+            f"cannot reach the sidecar at {address} (tried for {waited_s:.1f} s; is "
+            f"`rlfeed serve` running there?): {reason}",
+        )
+        self.address = address
+        self.waited_s = waited_s
 
 
 class BufferFullError(SidecarError):
@@ -150,19 +207,19 @@ class GrpcTransport:
             response_deserializer=parse_get_batch_response,
         )
 
-    def _call(self, method, request, timeout_s: float | None = None):
+    def _call(self, method, request, timeout_s: float | None = None, *, ingest: bool = False):
         try:
             return method(request, timeout=timeout_s or self._call_timeout_s)
         except self._grpc.RpcError as exc:
-            raise _sidecar_error(exc, self.address) from None
+            raise _sidecar_error(exc, self.address, ingest=ingest) from None
 
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
-        return self._call(self._ingest.SubmitRolloutBatch, batch)
+        return self._call(self._ingest.SubmitRolloutBatch, batch, ingest=True)
 
     def submit_serialized(self, request: bytes) -> pb.SubmitAck:
         """`submit` of a serialized `RolloutBatch` (`arrow_codec.encode_rollout_batch`,
         what `RolloutWriter` sends: the payload is not copied into a message first)."""
-        return self._call(self._submit_serialized, request)
+        return self._call(self._submit_serialized, request, ingest=True)
 
     def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
         return self._call(self._tasks.RegisterTasks, pb.RegisterTasksRequest(task_ids=task_ids))
@@ -190,18 +247,90 @@ class GrpcTransport:
         self._channel.close()
 
 
-def _sidecar_error(exc, address: str = "") -> SidecarError:
+def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     message = exc.details() or str(exc)
     if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return AuthenticationError(code, message, address)
     if code == "INVALID_ARGUMENT":
-        return InvalidRolloutsError(message)
+        return InvalidRolloutsError(message) if ingest else InvalidRequestError(message)
     if code == "RESOURCE_EXHAUSTED":
         return BufferFullError(message)
     if code == "NOT_FOUND":
         return StepReleasedError(message)
     return SidecarError(code, message)
+
+
+def connect_timeout(value: float | None) -> float:
+    """`value` (seconds), else the RLFEED_CONNECT_TIMEOUT_S environment variable, else
+    `DEFAULT_CONNECT_TIMEOUT_S`; must be > 0."""
+    if value is None:
+        raw = os.environ.get(ENV_CONNECT_TIMEOUT, "")
+        try:
+            value = float(raw) if raw else DEFAULT_CONNECT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{ENV_CONNECT_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"connect_timeout_s must be > 0, got {value}")
+    return float(value)
+
+
+def address_of(transport: Transport) -> str:
+    """What to call a transport's sidecar in a message: its "host:port", else its class."""
+    return str(getattr(transport, "address", "") or f"<{type(transport).__name__}>")
+
+
+class Outage:
+    """One stretch of a sidecar not answering, as a client retries a call through it.
+
+    `failed(exc)` records an UNAVAILABLE (or other `codes`) answer: the first one logs a
+    warning naming `address` at once, another follows every 10 s, and once `timeout_s`
+    have passed since the first it raises `SidecarUnreachableError` instead. Any other
+    error is re-raised as is. Retried calls must be idempotent.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        codes: frozenset[str] = frozenset({"UNAVAILABLE"}),
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.codes = codes
+        self._since: float | None = None
+        self._warned_at: float | None = None
+
+    def failed(self, exc: SidecarError) -> None:
+        if exc.code not in self.codes or isinstance(exc, SidecarUnreachableError):
+            raise exc
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        waited = now - self._since
+        if waited >= self.timeout_s:
+            error = SidecarUnreachableError(exc.code, self.address, waited, exc.message)
+            error.rollout_ids = exc.rollout_ids
+            raise error from None
+        if self._warned_at is None or now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            _log.warning(
+                "rlfeed: the sidecar at %s does not answer (%s: %s); retrying, giving up "
+                "after %.0f s (connect_timeout_s)",
+                self.address,
+                exc.code,
+                exc.message,
+                self.timeout_s,
+            )
+
+    def call(self, fn: Callable[[], _T], pause_s: float = 0.1) -> _T:
+        """fn(), asked again every `pause_s` while it fails with one of `codes`."""
+        while True:
+            try:
+                return fn()
+            except SidecarError as exc:
+                self.failed(exc)
+            time.sleep(pause_s)
 
 
 def fast_variant(transport: Transport, plain: str, fast: str):

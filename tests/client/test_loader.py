@@ -308,13 +308,25 @@ def test_the_allocator_setting_is_applied_at_the_first_fetch_once(transport, mon
     produce(transport, steps=2)
     applied = []
     monkeypatch.setattr(loader_module, "retain_freed_memory", applied.append)
-    loader = BatchLoader(transport, rank=0, world_size=WORLD_SIZE, prefetch=0, stop_step=2)
+    loader = BatchLoader(
+        transport, rank=0, world_size=WORLD_SIZE, prefetch=0, stop_step=2, retained_free_mib=256
+    )
     assert applied == []  # nothing changes in the process at construction
     assert [step.step for step in loader] == [0, 1]
-    assert applied == [loader_module.DEFAULT_RETAINED_FREE_MIB << 20]
+    assert applied == [256 << 20]
     untouched = BatchLoader(transport, rank=0, world_size=WORLD_SIZE, retained_free_mib=0)
     untouched.fetch(0)
     assert len(applied) == 1
+
+
+def test_the_trainers_allocator_is_left_alone_by_default(transport, monkeypatch):
+    """The setting changes the whole trainer process: opt-in, never a side effect of use."""
+    produce(transport, steps=1)
+    applied = []
+    monkeypatch.setattr(loader_module, "retain_freed_memory", applied.append)
+    assert loader_module.DEFAULT_RETAINED_FREE_MIB == 0
+    BatchLoader(transport, rank=0, world_size=WORLD_SIZE, prefetch=0).fetch(0)
+    assert applied == []
 
 
 @pytest.mark.parametrize("retained_free_mib", [-1, 2048])

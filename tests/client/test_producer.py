@@ -255,7 +255,7 @@ def test_an_unavailable_sidecar_is_retried_and_nothing_counts_twice():
 
 def test_a_lasting_outage_surfaces_with_the_rollout_ids_to_resend():
     flaky = Flaky(make_transport(), outages=10**6)
-    writer = RolloutWriter(flaky, max_batch_rollouts=2, retry_unavailable_s=0.05)
+    writer = RolloutWriter(flaky, max_batch_rollouts=2, connect_timeout_s=0.05)
     writer.write(**rollout(0))
     writer.write(**rollout(1))
     with pytest.raises(SidecarError) as error:
@@ -484,3 +484,64 @@ def test_the_token_values_are_joined_from_the_rows_own_arrays() -> None:
     pieces, _ = _rollout_stream_pieces(rows)
     for name in ("token_ids", "action_mask", "sampler_logprobs"):
         assert all(any(piece is array for piece in pieces) for array in getattr(rows, name))
+
+
+# ---------------------------------------------------------------------------------------
+# Values are range-checked before they are narrowed to their wire types
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "token_ids",
+            np.array([1, 2**32 + 7, 3, 4, 5]),
+            r"token_ids: 4294967303 at token 1 is not an int32",
+        ),
+        (
+            "token_ids",
+            [1, 2, -(2**31) - 1, 4, 5],
+            r"token_ids: -2147483649 at token 2 is not an int32",
+        ),
+        ("token_ids", [1.0, 2.5, 3.0, 4.0, 5.0], r"token_ids: 2.5 at token 1 is not an int32"),
+        ("action_mask", np.array([0, 0, 256, 1, 1]), r"action_mask: 256 at token 2 is not 0 or 1"),
+        ("action_mask", [0, 0, -1, 1, 1], r"action_mask: -1 at token 2 is not 0 or 1"),
+        (
+            "sampler_logprobs",
+            [0.0, 0.0, -1e39, -1.0, -1.0],
+            r"sampler_logprobs: -1e\+39 at token 2 is not a finite",
+        ),
+    ],
+)
+def test_a_value_that_does_not_fit_its_wire_type_is_refused_not_wrapped(
+    recording, field, value, message
+):
+    """`astype(int32)` turns a token id of 2**32 + 7 into 7; the writer must not send it."""
+    writer = RolloutWriter(recording, max_batch_rollouts=1)
+    with pytest.raises(ValueError, match=rf"rollout 'r0': field {message}"):
+        writer.write(**rollout(0, **{field: value}))
+    assert writer.unacknowledged == 0
+    writer.close()
+    assert recording.batches == []  # nothing was sent
+
+
+def test_a_policy_version_beyond_int64_is_refused(recording):
+    writer = RolloutWriter(recording)
+    with pytest.raises(ValueError, match=r"rollout 'r0': policy_version 9223372036854775808"):
+        writer.write(**rollout(0, policy_version=2**63))
+    writer.close()
+
+
+def test_values_that_fit_are_narrowed_exactly(recording):
+    wide = rollout(0, length=4)
+    wide.update(
+        token_ids=np.array([0, 99, 2, 3], np.int64),
+        action_mask=[False, True, True, True],
+        sampler_logprobs=np.array([0.0, -0.25, -1.5, -2.0], np.float64),
+    )
+    with RolloutWriter(recording, max_batch_rollouts=1) as writer:
+        writer.write(**wide)
+    (batch,) = recording.batches
+    sent = decode_rollout_batch(batch.arrow_ipc)
+    assert sent.token_ids.tolist() == [0, 99, 2, 3]
+    assert sent.sampler_logprobs.tolist() == [0.0, -0.25, -1.5, -2.0]
