@@ -14,8 +14,8 @@ from typing import Any
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.client.transport import (
     BufferFullError,
+    InvalidRequestError,
     InvalidRolloutsError,
-    SidecarError,
     StepReleasedError,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
@@ -72,7 +72,7 @@ class InProcessTransport:
             try:
                 added, total = self._scheduler.register_tasks(list(task_ids))
             except ValueError as exc:
-                raise InvalidRolloutsError(str(exc)) from None
+                raise InvalidRequestError(str(exc)) from None
         return pb.RegisterTasksResponse(added=added, total_tasks=total)
 
     def sample_tasks(self, n: int) -> pb.SampleTasksResponse:
@@ -98,7 +98,7 @@ class InProcessTransport:
                 try:
                     result = self._scheduler.fetch_batch(step, rank)
                 except ValueError as exc:
-                    raise SidecarError("INVALID_ARGUMENT", str(exc)) from None
+                    raise InvalidRequestError(str(exc)) from None
                 if result.ready:
                     return result.payload
                 if result.released:
