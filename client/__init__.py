@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from rlfeed.client.transport import StepReleasedError as StepReleasedError
     from rlfeed.client.transport import Transport as Transport
     from rlfeed.client.transport import WorldSizeMismatchError as WorldSizeMismatchError
-    from rlfeed.service.inprocess import InProcessTransport as InProcessTransport
 
-# public name -> submodule that defines it (a dotted name: a module outside rlfeed.client)
+# public name -> submodule that defines it. The in-process sidecar for tests is
+# `rlfeed.service.inprocess.InProcessTransport`: service code, so not exported here.
 _EXPORTS: dict[str, str] = {
     # trainer-side torch ops
     "block_causal_mask": "attention",
@@ -73,7 +73,6 @@ _EXPORTS: dict[str, str] = {
     "AuthenticationError": "transport",
     "BufferFullError": "transport",
     "GrpcTransport": "transport",
-    "InProcessTransport": "rlfeed.service.inprocess",  # service side; resolved on use only
     "InvalidRequestError": "transport",
     "InvalidRolloutsError": "transport",
     "SidecarError": "transport",
@@ -90,8 +89,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rlfeed.client' has no attribute {name!r}")
-    path = module if "." in module else f"rlfeed.client.{module}"
-    value = getattr(importlib.import_module(path), name)
+    value = getattr(importlib.import_module(f"rlfeed.client.{module}"), name)
     globals()[name] = value  # resolve once
     return value
 

@@ -1,7 +1,7 @@
 """The sidecar without gRPC or Ray: `InProcessTransport` runs the front-end's decode,
 validation and ack code and a `Scheduler` in the calling process, so client and trainer
-code is testable without a server. It lives on the service side so `rlfeed.client`
-imports no service code; `rlfeed.client.InProcessTransport` resolves here lazily.
+code is testable without a server. It lives on the service side (not in `rlfeed.client`)
+because it runs service code, and trainers never import server internals.
 """
 
 from __future__ import annotations
