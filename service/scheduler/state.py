@@ -162,15 +162,16 @@ class Scheduler:
                 by_group.setdefault(group_id, []).append(row)
         versions = meta.policy_versions.tolist()
         newest = max([self._newest_version] + [versions[r] for g in by_group.values() for r in g])
-        stale_groups, freed = self._admit(meta, by_group, newest)
-        return self._apply(meta, payload, by_group, newest, stale_groups, freed)
+        stale_groups, freed = self._admit(meta, versions, by_group, newest)
+        return self._apply(meta, versions, payload, by_group, newest, stale_groups, freed)
 
     def _admit(
-        self, meta: BatchMeta, by_group: dict[str, list[int]], newest: int
+        self, meta: BatchMeta, versions: list[int], by_group: dict[str, list[int]], newest: int
     ) -> tuple[set[str], int]:
         """Check the batch's fresh rows against the state, changing nothing: raises what
         `ingest_batch` refuses with; returns the groups that go stale (the batch's own and
-        buffered ones the newest version leaves behind) and the buffered rollouts they free."""
+        buffered ones the newest version leaves behind) and the buffered rollouts they free.
+        `versions` is `meta.policy_versions` as a list, converted once per batch."""
         rollouts = self.config.rollouts
         ids, tasks = meta.rollout_ids, meta.task_ids
         oldest_allowed = newest - rollouts.max_policy_lag
@@ -185,7 +186,7 @@ class Scheduler:
         incoming = opening = 0  # fresh rollouts taken; those of them that open a new group
         for group_id, rows in by_group.items():
             group = self._group(group_id)
-            if self._goes_stale(meta, group_id, rows, group, oldest_allowed):
+            if self._goes_stale(meta, versions, group_id, rows, group, oldest_allowed):
                 stale_groups.add(group_id)
                 continue
             incoming += len(rows)
@@ -213,6 +214,7 @@ class Scheduler:
     def _goes_stale(
         self,
         meta: BatchMeta,
+        versions: list[int],
         group_id: str,
         rows: list[int],
         group: _Group | None,
@@ -241,8 +243,7 @@ class Scheduler:
                 f"group {group_id!r} already has its {group_size} rollouts",
                 reason=RejectReason.GROUP_OVERFLOW,
             )
-        versions = meta.policy_versions
-        if min(int(versions[row]) for row in rows) < oldest_allowed:
+        if min(versions[row] for row in rows) < oldest_allowed:
             return True
         room = group_size - (len(group.rows) if group else 0)
         if len(rows) > room:
@@ -257,6 +258,7 @@ class Scheduler:
     def _apply(
         self,
         meta: BatchMeta,
+        versions: list[int],
         payload: Any,
         by_group: dict[str, list[int]],
         newest: int,
@@ -276,8 +278,8 @@ class Scheduler:
         self._next_batch_key += 1
         first_arrival = self._next_arrival  # arrival order = row order inside a batch
         self._next_arrival += n
-        versions, rewards = meta.policy_versions.tolist(), meta.rewards.tolist()
-        lengths, policy_tokens = meta.lengths.tolist(), meta.policy_tokens.tolist()
+        rewards, lengths = meta.rewards.tolist(), meta.lengths.tolist()
+        policy_tokens = meta.policy_tokens.tolist()
         stale = accepted = accepted_tokens = 0
         completed: list[tuple[int, str]] = []  # (completing row, group id)
         for group_id, rows in by_group.items():
