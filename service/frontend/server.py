@@ -233,6 +233,8 @@ def start_server(
     retained = config.server.retained_free_mib
     if retained and not retain_freed_memory(retained * 2**20, single_arena=True):
         _log.info("rlfeed: [server] retained_free_mib not applied (the C library is not glibc)")
+    # Certificates and the token file are read before Ray starts: a bad one costs no start-up.
+    security = ServerSecurity.from_config(config.security)
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
@@ -241,7 +243,6 @@ def start_server(
             actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
         else:
             actor = create_scheduler_actor(config)
-        security = ServerSecurity.from_config(config.security)  # checks its files first
         frontend = FrontendState(config, actor, events, announce=replicated)
         assembler = StepAssembler(frontend)
         ingest, serving = RolloutIngest(frontend, assembler), BatchServing(frontend)
