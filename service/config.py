@@ -1,11 +1,11 @@
 """The sidecar's configuration: a TOML file mapped onto frozen dataclasses.
 
 One section per concern (`[server]`, `[ray]`, `[batching]`, `[rollouts]`, `[advantages]`,
-`[curriculum]`, `[accounting]`); every field carries its meaning, unit and default in its
-`doc` metadata, which is also what `dump_config(..., with_docs=True)` prints (the shipped
-`deploy/rlfeed.example.toml` is exactly that output). Unknown keys, at any level, are an
-error naming the key and its section; values are type-checked (an int where a float is
-expected is fine, a bool where an int is expected is not).
+`[curriculum]`, `[accounting]`, `[security]`, `[journal]`); every field carries its meaning,
+unit and default in its `doc` metadata, which is also what `dump_config(..., with_docs=True)`
+prints (the shipped `deploy/rlfeed.example.toml` is exactly that output). Unknown keys, at
+any level, are an error naming the key and its section; values are type-checked (an int where
+a float is expected is fine, a bool where an int is expected is not).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from rlfeed.client.allocator import MAX_RETAINED_BYTES
 from rlfeed.sched.models import GPUS, MODELS
 from rlfeed.sched.throughput import EpisodeShape
+from rlfeed.service.journal.config import JournalConfig
 from rlfeed.service.security.config import SecurityConfig
 
 try:
@@ -330,6 +331,7 @@ class SidecarConfig:
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
 
     @property
     def model_attention_weight(self) -> float:
@@ -403,6 +405,7 @@ _SECTIONS: dict[str, type] = {
     "curriculum": CurriculumSection,
     "accounting": AccountingConfig,
     "security": SecurityConfig,
+    "journal": JournalConfig,
 }
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import ray
 from rlfeed.sched.assembly import TokenColumns
+from rlfeed.service.frontend.journaling import KIND_RESPONSE
 from rlfeed.service.frontend.materialize import materialize_work
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.scheduler.records import (
@@ -133,9 +134,12 @@ class StepAssembler:
             # fetch can see the step.
             record = replace(work.record, response_bytes=size)
             frontend.events.on_step(record, responses=responses, ready_time=planned_at)
+            # Journaled before the actor hears of the step: its journal names the records.
+            journal = frontend.journal
+            positions = journal.append_all(KIND_RESPONSE, responses) if journal else []
             with frontend.storing:
                 frontend.scheduler.note(
-                    StoreStepNote(step, [frontend.marker] * len(responses), size)
+                    StoreStepNote(step, [frontend.marker] * len(responses), size, positions)
                 )
                 frontend.responses.put(step, responses)
                 # Stored: never built again, whatever fails below (the actor will release

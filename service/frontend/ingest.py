@@ -21,6 +21,7 @@ from rlfeed.service.frontend.codec import (
     RolloutBatchView,
     decode_rollout_batch,
 )
+from rlfeed.service.frontend.journaling import KIND_BATCH
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
 from rlfeed.service.frontend.validation import validate_rollout_batch
 from rlfeed.service.scheduler.client import IngestGroups
@@ -97,7 +98,7 @@ class RolloutIngest:
         except InvalidBatchError as exc:
             self.frontend.scheduler.record_rejection()
             self._refuse(exc, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
-        reply = self._ingest(arrays)
+        reply = self._ingest(arrays, request.arrow_ipc)
         if reply.kind is IngestKind.INVALID:
             error = InvalidBatchError(reply.message, reason=reply.reason)
             self._refuse(error, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
@@ -120,12 +121,18 @@ class RolloutIngest:
         self.frontend.events.on_reject(error, rollouts=rollouts, tokens=tokens)
         context.abort(code, str(error))
 
-    def _ingest(self, arrays: RolloutBatchArrays) -> IngestReply:
+    def _ingest(self, arrays: RolloutBatchArrays, payload: bytes | memoryview) -> IngestReply:
         """Buffer a validated batch in the actor, in a call shared with the batches arriving
         alongside; hand the steps it made ready to the assembler and free what the actor
-        released."""
-        payloads = self.frontend.payloads
-        key = payloads.add(arrays.columns) if len(arrays) else None
+        released. With a journal the payload is journaled first, as received, and its
+        position is the batch's key: the actor records the batch by it."""
+        payloads, journal = self.frontend.payloads, self.frontend.journal
+        key = None
+        if len(arrays) and journal is not None:
+            key = journal.append(KIND_BATCH, payload)
+            payloads.put(key, arrays.columns)
+        elif len(arrays):
+            key = payloads.add(arrays.columns)
         handle = BatchHandle(self.frontend.id, key) if key is not None else None
         # A failed call keeps the columns: the batch may have been buffered before the
         # failure (a dead actor takes the whole sidecar down anyway).

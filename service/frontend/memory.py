@@ -101,6 +101,16 @@ class LocalPayloads:
             self._columns[key] = columns
             return key
 
+    def put(self, key: int, columns: TokenColumns) -> None:
+        """Hold `columns` under a key chosen by the caller: its journal position (keys
+        from `add` are then never used)."""
+        with self._lock:
+            self._columns[key] = columns
+
+    def holds(self, key: int) -> bool:
+        with self._lock:
+            return key in self._columns
+
     def get(self, key: int) -> TokenColumns:
         """KeyError if the key is not held (never added, or released)."""
         with self._lock:

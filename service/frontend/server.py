@@ -26,6 +26,7 @@ from rlfeed.service.frontend.assembler import StepAssembler
 from rlfeed.service.frontend.codec import parse_rollout_batch
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.ingest import RolloutIngest
+from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_slot_journal
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.replicas.handover import PeerQueries, hand_over
@@ -124,6 +125,8 @@ class SidecarServer:
             if self.peer_server is not None:
                 self.peer_server.stop(grace).wait(grace + 1.0)
             self.frontend.peers.close()
+            if self.frontend.journal is not None:
+                self.frontend.journal.close()
             if not self.owns_actor:  # the sidecar runs on; its releases need not wait for us
                 with contextlib.suppress(ray.exceptions.RayError):  # stopped first: it is gone
                     self.frontend.scheduler.unregister(timeout_s=10)
@@ -213,11 +216,31 @@ def _start_peer_server(
     return peer_server, f"{host}:{port}"
 
 
+def _take_over_slot(frontend: FrontendState, assembler: StepAssembler) -> None:
+    """Load what the scheduler's recovery left in this front-end's journal slot, and queue
+    the planned steps to materialize again, before serving anything."""
+    claim = frontend.scheduler.claim_slot(frontend.slot)
+    batches, steps = load_claim(frontend.journal, claim, frontend.payloads, frontend.responses)
+    for step in claim.steps:
+        frontend.signals.stored_here(step)
+    assembler.add_work(claim.work)
+    if batches or steps or claim.work:
+        _log.info(
+            "rlfeed: %s recovered %d ingest batches and %d stored steps from its journal; "
+            "%d planned steps to materialize again",
+            frontend.slot,
+            batches,
+            steps,
+            len(claim.work),
+        )
+
+
 def start_server(
     config: SidecarConfig,
     ray_address: str | None = None,
     events: ServerEvents | None = None,
     join: bool = False,
+    slot: str = frontend_slot(0),
 ) -> SidecarServer:
     """Start Ray (embedded, or join `ray_address`: "auto" or host:port) unless this process
     already runs it, the scheduler actor and the gRPC server; returns once serving.
@@ -226,6 +249,9 @@ def start_server(
     With `join`, this is another front-end (replica) of a running sidecar: it finds the
     named actor instead of creating one, shares the port (SO_REUSEPORT, as every front-end
     does when `[server] replicas` > 1) and leaves the actor running when it stops.
+
+    `slot` names this front-end's journal folder under `[journal] dir` (replicas: their
+    index); a restarted front-end takes over what its slot's journal holds before serving.
 
     `[server] retained_free_mib` sets glibc's malloc for this whole process, whatever
     else it runs (client.allocator, with one heap for all threads: that part only if no
@@ -236,14 +262,17 @@ def start_server(
     # Certificates and the token file are read before Ray starts: a bad one costs no start-up.
     security = ServerSecurity.from_config(config.security)
     started_ray = _connect_ray(config, ray_address)
-    actor = server = peer_server = None
+    actor = server = peer_server = journal = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
     try:
+        journal = open_slot_journal(config, slot)
         if join:
             actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
         else:
             actor = create_scheduler_actor(config)
-        frontend = FrontendState(config, actor, events, announce=replicated)
+        frontend = FrontendState(
+            config, actor, events, announce=replicated, journal=journal, slot=slot
+        )
         assembler = StepAssembler(frontend)
         ingest, serving = RolloutIngest(frontend, assembler), BatchServing(frontend)
         queries = PeerQueries(frontend)
@@ -272,7 +301,9 @@ def start_server(
             raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"cannot listen on {target} (port in use?)")
-        frontend.scheduler.register(peer_address)
+        frontend.scheduler.register(peer_address, slot if journal is not None else "")
+        if journal is not None:
+            _take_over_slot(frontend, assembler)
         server.start()
         _log.info("rlfeed: %s serves %s", target, security.describe())
         assembler.start()
@@ -287,6 +318,8 @@ def start_server(
             ray.kill(actor)
         if started_ray:
             ray.shutdown()
+        if journal is not None:
+            journal.close()
         raise
     return SidecarServer(
         config=config,

@@ -19,6 +19,7 @@ import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.events import GuardedEvents, ServerEvents
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
+from rlfeed.service.journal import Journal
 from rlfeed.service.replicas.peers import PeerClient
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import HeldBy
@@ -124,8 +125,12 @@ class FrontendState:
         events: ServerEvents | None = None,
         *,
         announce: bool = False,
+        journal: Journal | None = None,
+        slot: str = "",
     ) -> None:
         self.config = config
+        # Where this front-end journals what it acknowledges (None: [journal] dir unset).
+        self.journal, self.slot = journal, slot
         self.id = uuid.uuid4().hex
         self.marker = HeldBy(self.id)  # the actor's handle of a step whose bytes are here
         self.announce = announce  # tell the other front-ends (when there may be any)

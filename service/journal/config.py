@@ -26,7 +26,21 @@ def _f(default: Any, doc: str) -> Any:
 
 @dataclass(kw_only=True, frozen=True)
 class JournalConfig:
-    """How the journal lays out, bounds and syncs its segment files and snapshots."""
+    """Durability: where the sidecar journals what it acknowledges, and how it syncs it."""
+
+    dir: str = _f(
+        "",
+        "folder of the sidecar's journal, on local disk or shared storage; empty = off: "
+        "a crash then loses every buffered rollout and the curriculum (production runs set "
+        "it). Inside: scheduler/ (the scheduler's calls and snapshots) and frontend-N/ (each "
+        "front-end's ingest payloads and step responses)",
+    )
+    snapshot_every_records: int = _f(
+        20_000,
+        "the scheduler snapshots its state after this many journaled calls, count; the "
+        "journal before the older kept snapshot is then deleted, so a restart replays at "
+        "most about twice this many calls",
+    )
 
     segment_bytes: int = _f(
         256 * MiB,
@@ -64,6 +78,10 @@ class JournalConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.snapshot_every_records < 1:
+            raise ValueError(
+                f"[journal] snapshot_every_records: must be >= 1, got {self.snapshot_every_records}"
+            )
         if self.sync not in SYNC_POLICIES:
             raise ValueError(f"[journal] sync: must be one of {SYNC_POLICIES}, got {self.sync!r}")
         if not 0 < self.max_record_bytes <= MAX_RECORD_BYTES_LIMIT:

@@ -115,14 +115,26 @@ class Journal:
         `max_record_bytes` (nothing is written) and `JournalClosedError` once closed or
         after a failed write or fsync (the journal stops rather than guess what is on disk).
         """
-        if type(payload) is not bytes:
-            payload = bytes(payload)
-        if len(payload) > self.config.max_record_bytes:
-            raise ValueError(
-                f"record of {len(payload)} bytes exceeds max_record_bytes "
-                f"({self.config.max_record_bytes})"
-            )
-        payload_crc = crc32c(payload)  # the expensive part, outside the lock
+        return self.append_all(kind, [payload])[0]
+
+    def append_all(self, kind: int, payloads: list[bytes]) -> list[int]:
+        """`append` for several records that need one wait, not one each (a step's
+        responses, one per rank): their positions, consecutive unless other threads append
+        meanwhile. A `ValueError` for an oversized one writes none of them."""
+        payloads = [p if type(p) is bytes else bytes(p) for p in payloads]
+        for payload in payloads:
+            if len(payload) > self.config.max_record_bytes:
+                raise ValueError(
+                    f"record of {len(payload)} bytes exceeds max_record_bytes "
+                    f"({self.config.max_record_bytes})"
+                )
+        positions = [self._write(kind, payload, crc32c(payload)) for payload in payloads]
+        if self.config.sync == "group" and positions:
+            self._wait_durable(positions[-1])
+        return positions
+
+    def _write(self, kind: int, payload: bytes, payload_crc: int) -> int:
+        """Write one record (fsynced with sync "always"); its position."""
         with self._write_lock:
             self._check_open()
             record_bytes = RECORD_HEADER_BYTES + len(payload)
@@ -142,8 +154,6 @@ class Journal:
             self._next_seq = seq + 1
             if self.config.sync == "always":
                 self._mark_durable(seq)
-        if self.config.sync == "group":
-            self._wait_durable(seq)
         return seq
 
     def sync(self) -> int:

@@ -12,22 +12,27 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
+from rlfeed.service.scheduler.journaled import JournaledScheduler
 from rlfeed.service.scheduler.records import (
     BatchHandle,
     BatchMeta,
     Fetch,
     FetchKind,
     FetchNote,
+    HeldBy,
     IngestKind,
     IngestReply,
+    JournalRef,
     Refused,
     Releases,
     SampleResult,
+    SlotClaim,
     StoredObject,
     StoreStepNote,
 )
@@ -51,9 +56,18 @@ class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
     def __init__(self, config: SidecarConfig) -> None:
-        # Never materializes (front-ends do); reports what it stops needing.
-        self._scheduler = Scheduler(config, track_releases=True)
         self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
+        # Each front-end's journal slot, kept after it leaves: its journal outlives it.
+        self._slots: dict[str, str] = {}
+        # Never materializes (front-ends do); reports what it stops needing. With a journal
+        # it starts from what the journal holds (Ray restarts it there after a crash).
+        self._scheduler: Scheduler | JournaledScheduler
+        self._recovered_work: list = []
+        if config.journal.dir:
+            self._scheduler = JournaledScheduler(config, Path(config.journal.dir), self._ref_of)
+            self._recovered_work = self._scheduler.recovered_work
+        else:
+            self._scheduler = Scheduler(config, track_releases=True)
         self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
         self._sidecar_stopping = False  # see stop_sidecar
         # The front-ends' secret for their peer ports: shared through Ray (whoever can call
@@ -66,10 +80,38 @@ class SchedulerActor:
     def peer_token(self) -> str:
         return self._peer_token
 
-    def register_frontend(self, frontend_id: str, peer_address: str) -> None:
+    def register_frontend(self, frontend_id: str, peer_address: str, slot: str = "") -> None:
         """A front-end joined: other front-ends reach the ingest batches and responses it
-        holds at `peer_address`; releases are kept for it from now on."""
+        holds at `peer_address`; releases are kept for it from now on. `slot`: the folder
+        of its journal (its batch keys are positions there), if journaling."""
         self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
+        if slot:
+            self._slots[frontend_id] = slot
+
+    def claim_slot(self, frontend_id: str, slot: str) -> SlotClaim:
+        """The front-end serving `slot` takes over what recovery left in that slot's
+        journal (`Scheduler.claim_journaled`) and the planned steps to materialize again;
+        it must load those positions before it serves them."""
+        if not isinstance(self._scheduler, JournaledScheduler):
+            return SlotClaim()
+        batches, steps = self._scheduler.claim_journaled(slot, frontend_id)
+        work, self._recovered_work = self._recovered_work, []
+        mine = {JournalRef(slot, p): BatchHandle(frontend_id, p) for p in batches}
+        work = [
+            replace(w, payloads={k: mine.get(h, h) for k, h in w.payloads.items()}) for w in work
+        ]
+        return SlotClaim(batches=batches, steps=steps, work=work)
+
+    def _ref_of(self, handle: Any) -> JournalRef | None:
+        """Where a payload handle's bytes are journaled (the scheduler's journal names it)."""
+        if isinstance(handle, BatchHandle) and handle.frontend_id in self._slots:
+            return JournalRef(self._slots[handle.frontend_id], handle.key)
+        return handle if isinstance(handle, JournalRef) else None
+
+    def _commit(self) -> None:
+        """Make the calls this one recorded durable before it answers (no-op unjournaled)."""
+        if isinstance(self._scheduler, JournaledScheduler):
+            self._scheduler.commit()
 
     def unregister_frontend(self, frontend_id: str) -> None:
         """A front-end stopped: no more releases are kept for it."""
@@ -82,12 +124,16 @@ class SchedulerActor:
     def register_tasks(self, task_ids: list[str]) -> tuple[int, int] | Refused:
         """(added, total), or Refused naming the bad task id."""
         try:
-            return self._scheduler.register_tasks(task_ids)
+            added = self._scheduler.register_tasks(task_ids)
         except ValueError as exc:
             return Refused(str(exc))
+        self._commit()
+        return added
 
     def sample_tasks(self, n: int) -> SampleResult:
-        return self._scheduler.sample_tasks(n)
+        result = self._scheduler.sample_tasks(n)
+        self._commit()
+        return result
 
     def sync(self, frontend_id: str, notes: list) -> Releases:
         """Apply a front-end's notes; returns what it may free now."""
@@ -101,7 +147,7 @@ class SchedulerActor:
         for note in notes:
             try:
                 if isinstance(note, StoreStepNote):
-                    self._scheduler.store_step(note.step, note.handles, note.response_bytes)
+                    self._store_step(note)
                 elif isinstance(note, FetchNote):
                     self._scheduler.fetch_batch(note.step, note.rank)
                 else:
@@ -109,6 +155,19 @@ class SchedulerActor:
             except ValueError:
                 self._notes_refused += 1
                 _log.exception("rlfeed scheduler: note %r refused", note)
+        self._commit()
+
+    def _store_step(self, note: StoreStepNote) -> None:
+        if not isinstance(self._scheduler, JournaledScheduler):
+            self._scheduler.store_step(note.step, note.handles, note.response_bytes)
+            return
+        slot = self._slots.get(self._frontend_of(note.handles[0]), "")
+        refs = [JournalRef(slot, position) for position in note.positions] if slot else None
+        self._scheduler.store_step(note.step, note.handles, note.response_bytes, refs)
+
+    @staticmethod
+    def _frontend_of(handle: Any) -> str:
+        return handle.frontend_id if isinstance(handle, HeldBy) else ""
 
     def _take_releases(self, frontend_id: str) -> Releases:
         """Sort what the scheduler released since the last call by front-end (a batch goes
@@ -143,6 +202,7 @@ class SchedulerActor:
         reply carries what the front-end may free."""
         self.apply_notes(notes)
         replies = [self._ingest_one(meta, payload) for meta, payload in batches]
+        self._commit()
         if replies:
             replies[-1] = replace(replies[-1], releases=self._take_releases(frontend_id))
         return replies
@@ -161,6 +221,7 @@ class SchedulerActor:
     def record_rejection(self, frontend_id: str, notes: list) -> None:
         self.apply_notes(notes)
         self._scheduler.record_rejection()
+        self._commit()
 
     def held_steps(self, steps: list[int]) -> list[int]:
         """Those of `steps` still stored (not released)."""
@@ -205,6 +266,7 @@ class SchedulerActor:
             result = self._scheduler.fetch_batch(step, rank)
         except ValueError as exc:
             return Fetch(FetchKind.INVALID, str(exc))
+        self._commit()
         if result.ready:
             return Fetch(FetchKind.READY, result.payload)
         kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
@@ -216,6 +278,7 @@ class SchedulerActor:
             self._scheduler.record_report(rank, report)
         except ValueError as exc:
             return Refused(str(exc))
+        self._commit()
         return None
 
     def status(self) -> Any:
@@ -247,6 +310,11 @@ def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
             "(another rlfeed serve?); set [ray] actor_name to run a second sidecar"
         )
     actor_class = ray.remote(SchedulerActor)
-    handle = actor_class.options(name=name, namespace=namespace, max_restarts=0).remote(config)
+    # With a journal Ray restarts a crashed actor, which rebuilds its state from it; without
+    # one a restarted actor would start empty under the same name: the sidecar stops instead.
+    restarts = -1 if config.journal.dir else 0
+    handle = actor_class.options(name=name, namespace=namespace, max_restarts=restarts).remote(
+        config
+    )
     ray.get(handle.ping.remote())  # surface construction errors here, not on first use
     return handle

@@ -19,6 +19,7 @@ from rlfeed.service.scheduler.records import (
     Refused,
     Releases,
     SampleResult,
+    SlotClaim,
     StatusSnapshot,
     StoredObject,
     StoreStepNote,
@@ -110,8 +111,11 @@ class SchedulerClient:
     def move_step(self, step: int, responses: list[StoredObject]) -> bool:
         return self._after_notes("move_step", step, responses)
 
-    def register(self, peer_address: str) -> None:
-        ray.get(self.actor.register_frontend.remote(self.frontend_id, peer_address))
+    def register(self, peer_address: str, slot: str = "") -> None:
+        ray.get(self.actor.register_frontend.remote(self.frontend_id, peer_address, slot))
+
+    def claim_slot(self, slot: str) -> SlotClaim:
+        return self._after_notes("claim_slot", self.frontend_id, slot)
 
     def unregister(self, timeout_s: float) -> None:
         ray.get(self.actor.unregister_frontend.remote(self.frontend_id), timeout=timeout_s)

@@ -37,6 +37,15 @@ class StoredObject(NamedTuple):
     ref: Any  # ray.ObjectRef
 
 
+class JournalRef(NamedTuple):
+    """Bytes in a front-end's journal (`[journal] dir`): record `position` of the journal
+    in `slot`'s folder. What the scheduler's journal names instead of a memory handle, and
+    what recovery hands the front-end of that slot to load again."""
+
+    slot: str
+    position: int
+
+
 class Refused(NamedTuple):
     """An input the scheduler refused (INVALID_ARGUMENT); the message names what."""
 
@@ -79,6 +88,8 @@ class StoreStepNote:
     step: int
     handles: list[HeldBy | StoredObject]  # per rank
     response_bytes: int
+    # Per rank: where the front-end journaled the response (empty: no journal).
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,16 @@ class StepWork:
     policy_versions: np.ndarray  # int64, per step rollout
     payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
     record: StepRecord | None = None  # response_bytes still 0 (set by store_step)
+
+
+@dataclass(frozen=True)
+class SlotClaim:
+    """What a front-end serving a journal slot must load from it after a recovery (see
+    `Scheduler.claim_journaled`), and the planned steps it must materialize again."""
+
+    batches: list[int] = field(default_factory=list)  # journal positions
+    steps: dict[int, list[int]] = field(default_factory=dict)  # step -> position per rank
+    work: list[StepWork] = field(default_factory=list)
 
 
 class IngestKind(str, Enum):

@@ -31,7 +31,9 @@ from rlfeed.service.scheduler.records import (
     BatchMeta,
     Counters,
     FetchResult,
+    HeldBy,
     IngestResult,
+    JournalRef,
     SampleResult,
     StatusSnapshot,
     StepRecord,
@@ -533,6 +535,27 @@ class Scheduler:
             if held.payloads is None and moved.intersection(held.reads)
         )
 
+    def claim_journaled(
+        self, slot: str, frontend_id: str
+    ) -> tuple[list[int], dict[int, list[int]]]:
+        """Hand what recovery left in `slot`'s journal to the front-end now serving that
+        slot: every `JournalRef` of the slot becomes a handle to `frontend_id`'s memory (the
+        journal position is the batch's key there). Returns the positions it must load: the
+        ingest batches, and each stored step's responses (per rank)."""
+        batches = []
+        for entry in self._payloads.values():
+            handle = entry[0]
+            if isinstance(handle, JournalRef) and handle.slot == slot:
+                entry[0] = BatchHandle(frontend_id, handle.position)
+                batches.append(handle.position)
+        steps = {}
+        for step, held in self._steps.items():
+            refs = held.payloads or []
+            if refs and isinstance(refs[0], JournalRef) and refs[0].slot == slot:
+                steps[step] = [ref.position for ref in refs]
+                held.payloads = [HeldBy(frontend_id)] * len(refs)
+        return sorted(batches), steps
+
     def unstored_steps(self, steps: list[int]) -> list[int]:
         """Those of `steps` planned and still waiting for their responses (a query)."""
         return [
@@ -606,6 +629,12 @@ class Scheduler:
                     if self._released_steps is not None:
                         self._released_steps.append(released)
         return FetchResult(ready=True, payload=held.payloads[rank])
+
+    def first_fetch(self, step: int, rank: int) -> bool:
+        """Whether `fetch_batch(step, rank)` would change the state (a query): the step is
+        stored and `rank` has not fetched it yet."""
+        held = self._steps.get(step)
+        return held is not None and held.payloads is not None and rank not in held.fetched
 
     @property
     def next_step(self) -> int:

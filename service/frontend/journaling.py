@@ -1,0 +1,75 @@
+"""A front-end's journal (`[journal] dir`/`frontend-N/`): the bytes it acknowledges.
+
+Two kinds of record, each written (and synced per `[journal] sync`) before anyone relies
+on it: an accepted ingest batch's Arrow IPC payload as received, before the scheduler
+sees the batch (so before the producer's ack), and each rank's response of a step it
+materialized, before its store note goes to the scheduler. A record's position is the
+batch's key in this front-end's memory, so the scheduler's journal can name it
+(`JournalRef(slot, position)`). One writer per slot (the directory lock): the front-end
+that serves a slot after a restart finds its predecessor's records there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
+from rlfeed.service.journal import Journal, JournalCorruptError
+from rlfeed.service.scheduler.records import SlotClaim
+
+KIND_BATCH = 1  # an ingest batch's Arrow IPC stream, as received
+KIND_RESPONSE = 2  # one rank's serialized GetBatchResponse of a step
+
+
+def frontend_slot(index: int) -> str:
+    """The journal folder of the `index`-th front-end (0: the first process)."""
+    return f"frontend-{index}"
+
+
+def open_slot_journal(config: SidecarConfig, slot: str) -> Journal | None:
+    """This front-end's journal, or None when `[journal] dir` is unset."""
+    if not config.journal.dir:
+        return None
+    return Journal.open(Path(config.journal.dir) / slot, config.journal)
+
+
+def load_claim(
+    journal: Journal, claim: SlotClaim, payloads: LocalPayloads, responses: ResponseCache
+) -> tuple[int, int]:
+    """Load into memory what the scheduler says this slot holds and memory lacks: ingest
+    batches under their position as key, stored steps' responses into the cache. One
+    sequential read from the oldest position needed. Returns (batches, steps) loaded;
+    JournalCorruptError if a position is missing (the journal lost what it acknowledged)."""
+    batches = {p for p in claim.batches if not payloads.holds(p)}
+    rank_of = {
+        position: (step, rank)
+        for step, positions in claim.steps.items()
+        if responses.get(step) is None
+        for rank, position in enumerate(positions)
+    }
+    needed = batches | set(rank_of)
+    if not needed:
+        return 0, 0
+    loaded: dict[int, list[bytes | None]] = {}
+    found = set()
+    for record in journal.records_after(min(needed) - 1):
+        if record.seq in batches:
+            payloads.put(record.seq, decode_rollout_batch(record.payload).columns)
+        elif record.seq in rank_of:
+            step, rank = rank_of[record.seq]
+            loaded.setdefault(step, [None] * len(claim.steps[step]))[rank] = record.payload
+        else:
+            continue
+        found.add(record.seq)
+        if len(found) == len(needed):
+            break
+    missing = sorted(needed - found)
+    if missing:
+        raise JournalCorruptError(
+            journal.directory, missing[0], f"{len(missing)} acknowledged records are missing"
+        )
+    for step in sorted(loaded):
+        responses.put(step, loaded[step])
+    return len(batches), len(loaded)

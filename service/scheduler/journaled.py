@@ -1,0 +1,220 @@
+"""`JournaledScheduler`: a `Scheduler` whose every state change is recorded in a journal
+before the actor answers, and that rebuilds itself from that journal when it starts.
+
+The scheduler is deterministic given its calls (see `state.py`), so the journal records
+calls, not state: each state-changing method appends one msgpack record of its arguments
+after it succeeds (a refused call changes nothing and records nothing but the rejection
+counter), and `commit()` makes the records durable before the actor replies. Recovery
+replays them through the plain `Scheduler` methods into the same state, the random
+generator of `sample_tasks` included.
+
+Bulk bytes are never in this journal: an ingest batch's columns and a step's responses
+live in the journal of the front-end that received or materialized them, and the records
+here name them as `JournalRef(slot, position)`. After recovery every handle in the state
+is such a reference; the front-end of each slot loads what its slot holds
+(`claim_slot`) and the references become memory handles again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.journal import Journal, JournalConfig
+from rlfeed.service.scheduler.records import (
+    BatchMeta,
+    FetchResult,
+    IngestResult,
+    JournalRef,
+    SampleResult,
+    StepRecord,
+    StepWork,
+)
+from rlfeed.service.scheduler.state import Scheduler
+
+_log = logging.getLogger("rlfeed.service.scheduler.journaled")
+
+SCHEDULER_SLOT = "scheduler"  # the folder of this journal under [journal] dir
+_CALL = 1  # the one record kind: [format version, method, *arguments]
+CALL_FORMAT_VERSION = 1
+
+RefOf = Callable[[Any], JournalRef | None]  # a payload handle -> where its bytes are journaled
+
+
+def _ref(value: JournalRef | None) -> list | None:
+    return None if value is None else [value.slot, value.position]
+
+
+def _unref(value: list | None) -> JournalRef | None:
+    return None if value is None else JournalRef(value[0], int(value[1]))
+
+
+class JournaledScheduler(Scheduler):
+    """A Scheduler that journals its calls (see the module docstring). `ref_of` names where
+    a payload handle's bytes are journaled; the actor knows each front-end's slot."""
+
+    def __init__(self, config: SidecarConfig, directory: Path, ref_of: RefOf) -> None:
+        super().__init__(config, track_releases=True)
+        storage = _storage_config(config.journal)
+        self._journal = Journal.open(directory / SCHEDULER_SLOT, storage)
+        self._durable = config.journal.sync != "none"
+        self._ref_of = ref_of
+        self._replaying = False
+        self.recovered_work = self._replay()
+
+    # ---- recording ----------------------------------------------------------------------
+
+    def _record(self, method: str, *args: Any) -> None:
+        if not self._replaying:
+            body = msgpack.packb([CALL_FORMAT_VERSION, method, *args], use_bin_type=True)
+            self._journal.append(_CALL, body)
+
+    def commit(self) -> None:
+        """Make every call recorded so far durable (per `[journal] sync`): the actor calls
+        it before it answers a call that changed the state."""
+        if self._durable:
+            self._journal.sync()
+
+    def close(self) -> None:
+        self._journal.close()
+
+    def register_tasks(self, task_ids: list[str]) -> tuple[int, int]:
+        added, total = super().register_tasks(task_ids)
+        if added:
+            self._record("register_tasks", list(task_ids))
+        return added, total
+
+    def sample_tasks(self, n: int) -> SampleResult:
+        result = super().sample_tasks(n)
+        self._record("sample_tasks", int(n))
+        return result
+
+    def ingest_batch(self, meta: BatchMeta, payload: Any) -> IngestResult:
+        result = super().ingest_batch(meta, payload)
+        ref = self._ref_of(payload) if payload is not None else None
+        self._record(
+            "ingest_batch",
+            _ref(ref),
+            list(meta.rollout_ids),
+            list(meta.task_ids),
+            list(meta.group_ids),
+            meta.policy_versions.tolist(),
+            meta.rewards.tolist(),
+            meta.lengths.tolist(),
+            meta.policy_tokens.tolist(),
+        )
+        return result
+
+    def plan_ready_steps(self) -> list[StepWork]:
+        # Not recorded: replaying the ingest that made the steps ready plans them again.
+        return super().plan_ready_steps()
+
+    def store_step(
+        self,
+        step: int,
+        responses: list[Any],
+        response_bytes: int | None = None,
+        refs: list[JournalRef] | None = None,
+    ) -> StepRecord:
+        """Also `refs`: where each rank's response is journaled (replayed as the handles)."""
+        if refs is None or len(refs) != len(responses):
+            raise ValueError(f"step {step}: store_step needs a journal reference per rank")
+        record = super().store_step(step, responses, response_bytes)
+        self._record("store_step", int(step), [_ref(r) for r in refs], record.response_bytes)
+        return record
+
+    def fetch_batch(self, step: int, rank: int) -> FetchResult:
+        first = self.first_fetch(step, rank)
+        result = super().fetch_batch(step, rank)
+        if first:
+            self._record("fetch_batch", int(step), int(rank))
+        return result
+
+    def record_report(self, rank: int, report: dict[str, float]) -> None:
+        super().record_report(rank, report)
+        self._record("record_report", int(rank), {k: float(v) for k, v in report.items()})
+
+    def record_rejection(self) -> None:
+        super().record_rejection()
+        self._record("record_rejection")
+
+    # ---- recovery -----------------------------------------------------------------------
+
+    def _replay(self) -> list[StepWork]:
+        """Apply every recorded call; return the steps planned but not stored, in step
+        order (their front-end must materialize them again)."""
+        unstored: dict[int, StepWork] = {}
+        calls = 0
+        self._replaying = True
+        try:
+            for record in self._journal.records_after(0):
+                version, method, *args = msgpack.unpackb(record.payload, raw=False)
+                if version != CALL_FORMAT_VERSION:
+                    raise ValueError(
+                        f"{self._journal.directory}: record {record.seq} has format version "
+                        f"{version}; this rlfeed reads {CALL_FORMAT_VERSION}"
+                    )
+                for work in self._apply_recorded(method, args):
+                    unstored[work.step] = work
+                unstored.pop(self._last_stored, None)
+                calls += 1
+        finally:
+            self._replaying = False
+        self.take_releases()  # they name handles of processes that are gone
+        if calls:
+            _log.info(
+                "rlfeed: scheduler rebuilt from %d journaled calls: next step %d, %d rollouts "
+                "buffered, %d steps to materialize again",
+                calls,
+                self.next_step,
+                self.status().buffered_rollouts,
+                len(unstored),
+            )
+        return [unstored[step] for step in sorted(unstored)]
+
+    _last_stored: int | None = None
+
+    def _apply_recorded(self, method: str, args: list) -> list[StepWork]:
+        self._last_stored = None
+        if method == "ingest_batch":
+            ref, ids, tasks, groups, versions, rewards, lengths, policy_tokens = args
+            meta = BatchMeta(
+                rollout_ids=ids,
+                task_ids=tasks,
+                group_ids=groups,
+                policy_versions=np.asarray(versions, dtype=np.int64),
+                rewards=np.asarray(rewards, dtype=np.float64),
+                lengths=np.asarray(lengths, dtype=np.int64),
+                policy_tokens=np.asarray(policy_tokens, dtype=np.int64),
+            )
+            result = Scheduler.ingest_batch(self, meta, _unref(ref))
+            return Scheduler.plan_ready_steps(self) if result.steps_ready else []
+        if method == "store_step":
+            step, refs, response_bytes = args
+            Scheduler.store_step(self, step, [_unref(r) for r in refs], response_bytes)
+            self._last_stored = step
+        elif method == "fetch_batch":
+            Scheduler.fetch_batch(self, *args)
+        elif method == "register_tasks":
+            Scheduler.register_tasks(self, *args)
+        elif method == "sample_tasks":
+            Scheduler.sample_tasks(self, *args)
+        elif method == "record_report":
+            Scheduler.record_report(self, *args)
+        elif method == "record_rejection":
+            Scheduler.record_rejection(self)
+        else:
+            raise ValueError(f"{self._journal.directory}: unknown journaled call {method!r}")
+        return []
+
+
+def _storage_config(section: JournalConfig) -> JournalConfig:
+    """`[journal]` for the scheduler's journal: appends never wait (the actor syncs once
+    per call, in `commit`)."""
+    return replace(section, sync="none")
