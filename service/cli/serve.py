@@ -4,6 +4,7 @@
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
     rlfeed serve --metrics-port 9400 --replicas 4 # metrics; 4 front-ends on one port
+    rlfeed serve --journal-dir /data/rlfeed       # nothing acknowledged is lost in a crash
 
 Prints the resolved config, then `rlfeed serve: listening on HOST:PORT`. SIGTERM or Ctrl-C
 stops it within seconds. Exit 2 for a bad config, 1 when it cannot start or a replica dies.
@@ -46,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="be another front-end of the sidecar whose Ray cluster --ray-address names",
     )
+    parser.add_argument(
+        "--journal-dir",
+        metavar="DIR",
+        help="journal everything acknowledged here; a restart on it resumes the run "
+        "([journal] dir; default: none, a crash loses the buffer and the curriculum)",
+    )
+    parser.add_argument("--journal-slot", help=argparse.SUPPRESS)  # a replica's, set by serve
     for flag, what in (
         ("--tls-cert", "PEM certificate chain of the gRPC port: TLS ([security] tls_cert)"),
         ("--tls-key", "PEM private key of --tls-cert ([security] tls_key)"),
@@ -129,10 +137,14 @@ def _resolved_config(args: argparse.Namespace):
         for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
         if getattr(args, name) is not None
     }
+    journal = {"dir": args.journal_dir} if args.journal_dir is not None else {}
     try:
         config = load_config(args.config)
         config = with_overrides(
-            config, server={k: v for k, v in flags if v is not None}, security=security
+            config,
+            server={k: v for k, v in flags if v is not None},
+            security=security,
+            journal=journal,
         )
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
@@ -167,6 +179,7 @@ def _started_sidecar(config, args: argparse.Namespace, exporter):
             ray_address=args.ray_address,
             events=exporter.events if exporter is not None else None,
             join=args.join,
+            **({"slot": args.journal_slot} if args.journal_slot else {}),
         )
     except BaseException as exc:
         if exporter is not None:

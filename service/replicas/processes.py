@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import ray
 from rlfeed.service.config import SidecarConfig, dump_config
+from rlfeed.service.frontend.journaling import frontend_slot
 
 _READY_POLL_SECONDS = 0.2
 
@@ -92,6 +93,7 @@ def start_replicas(
                 "--config", config_file,
                 "--ray-address", gcs_address,
                 "--metrics-port", str(metrics_port),
+                "--journal-slot", frontend_slot(index),
             ]  # fmt: skip
             # The token of Ray's token authentication reaches them through the environment
             # ray.init set up (RAY_AUTH_MODE) and the token file it wrote.
