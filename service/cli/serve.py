@@ -210,7 +210,7 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
-        code = _wait_for_stop(stop, replicas)
+        code = _wait_for_stop(stop, replicas, sidecar)
         print("rlfeed serve: stopping", flush=True)
         return code
     finally:
@@ -238,9 +238,13 @@ def _install_token_reload(sidecar, replicas) -> None:
     signal.signal(signal.SIGHUP, reload)
 
 
-def _wait_for_stop(stop: threading.Event, replicas) -> int:
-    """0 once asked to stop; 1 as soon as a replica exits other than by handing over."""
+def _wait_for_stop(stop: threading.Event, replicas, sidecar) -> int:
+    """0 once asked to stop; 1 as soon as a replica exits other than by handing over, or
+    the scheduler actor is gone for good (no zombie front-end answering UNAVAILABLE)."""
     while not stop.wait(0.5):
+        if sidecar.lost.is_set():
+            print(f"rlfeed serve: {sidecar.lost_reason}; stopping", file=sys.stderr)
+            return 1
         if replicas is None:
             continue
         for left in replicas.newly_left():

@@ -77,8 +77,12 @@ class StepAssembler:
         return True
 
     def add_work(self, work: list[StepWork]) -> None:
+        """Queue planned steps; a step already queued takes the newer work (a restarted
+        actor hands back the steps it planned before, see `_take_over_slot`)."""
         planned_at = time.time()
+        steps = {item.step for item in work}
         with self._unstored_lock:
+            self._unstored = [entry for entry in self._unstored if entry[0] not in steps]
             for item in work:
                 bisect.insort(self._unstored, (item.step, planned_at, item), key=_step_of)
         self.start()

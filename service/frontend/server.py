@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from rlfeed.service.frontend.ingest import RolloutIngest
 from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_slot_journal
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
+from rlfeed.service.frontend.watch import ActorWatch
 from rlfeed.service.replicas.handover import PeerQueries, hand_over
 from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor
@@ -96,6 +98,11 @@ class SidecarServer:
     health: health.HealthServicer
     actor: ray.actor.ActorHandle
     started_ray: bool
+    watch: ActorWatch | None = None
+    # Set when the scheduler actor is gone for good (no journal to come back from): the
+    # process should exit non-zero (`rlfeed serve` does), `lost_reason` says why.
+    lost: threading.Event = field(default_factory=threading.Event)
+    lost_reason: str = ""
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
     peer_server: grpc.Server | None = None  # the other front-ends' way in
     # A replica that stopped: whether it handed its data over (`replicas.handover`;
@@ -112,6 +119,8 @@ class SidecarServer:
             return
         self._stopped = True
         try:
+            if self.watch is not None:
+                self.watch.stop()
             self.health.enter_graceful_shutdown()
             self.frontend.signals.stop()  # answers waiting GetBatch calls now
             self.assembler.stop()
@@ -307,8 +316,7 @@ def start_server(
         server.start()
         _log.info("rlfeed: %s serves %s", target, security.describe())
         assembler.start()
-        for name in ("", *SERVICE_NAMES):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _set_serving(health_servicer, True)
     except BaseException:
         if server is not None:
             server.stop(0)
@@ -321,7 +329,7 @@ def start_server(
         if journal is not None:
             journal.close()
         raise
-    return SidecarServer(
+    sidecar = SidecarServer(
         config=config,
         port=port,
         server=server,
@@ -335,3 +343,37 @@ def start_server(
         owns_actor=not join,
         peer_server=peer_server,
     )
+    sidecar.watch = _watch(sidecar, peer_address)
+    return sidecar
+
+
+def _set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    answer = health_pb2.HealthCheckResponse
+    status = answer.SERVING if serving else answer.NOT_SERVING
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, status)
+
+
+def _watch(sidecar: SidecarServer, peer_address: str) -> ActorWatch:
+    """Start the front-end's watch on the scheduler actor (see `watch.py`)."""
+    frontend = sidecar.frontend
+
+    def rejoin() -> None:
+        frontend.scheduler.drop_notes()
+        frontend.scheduler.register(peer_address, frontend.slot if frontend.journal else "")
+        if frontend.journal is not None:
+            _take_over_slot(frontend, sidecar.assembler)
+
+    def on_lost(reason: str) -> None:
+        _log.error("rlfeed: %s; this front-end stops serving", reason)
+        sidecar.lost_reason = reason
+        sidecar.lost.set()
+
+    watch = ActorWatch(
+        frontend,
+        set_serving=lambda serving: _set_serving(sidecar.health, serving),
+        rejoin=rejoin,
+        on_lost=on_lost,
+    )
+    watch.start(frontend.scheduler.incarnation(timeout_s=30))
+    return watch

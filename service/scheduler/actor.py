@@ -55,7 +55,10 @@ class _FrontEnd:
 class SchedulerActor:
     """Ray actor body: forwards each call to a Scheduler (created with ray.remote)."""
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, peer_token: str = "") -> None:
+        # Which start of this actor this is: a front-end that sees it change re-registers.
+        self._incarnation = secrets.token_hex(8)
+        self._journaled = bool(config.journal.dir)
         self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
         # Each front-end's journal slot, kept after it leaves: its journal outlives it.
         self._slots: dict[str, str] = {}
@@ -72,13 +75,27 @@ class SchedulerActor:
         self._sidecar_stopping = False  # see stop_sidecar
         # The front-ends' secret for their peer ports: shared through Ray (whoever can call
         # this actor is inside the Ray cluster already), never through config or files.
-        self._peer_token = secrets.token_urlsafe(32)
+        # Made by `create_scheduler_actor`, so a restarted actor keeps it.
+        self._peer_token = peer_token or secrets.token_urlsafe(32)
 
     def ping(self) -> bool:
         return True
 
     def peer_token(self) -> str:
         return self._peer_token
+
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    def _require_registered(self, frontend_id: str) -> None:
+        """With a journal, a front-end this actor does not know (it restarted since) must
+        register again first: its batches could not be journaled by their slot. Raised
+        as an error, so the call answers UNAVAILABLE and the producer retries."""
+        if self._journaled and frontend_id not in self._frontends:
+            raise RuntimeError(
+                f"front-end {frontend_id} is not registered with this scheduler (it restarted); "
+                "the front-end registers again within a second"
+            )
 
     def register_frontend(self, frontend_id: str, peer_address: str, slot: str = "") -> None:
         """A front-end joined: other front-ends reach the ingest batches and responses it
@@ -200,6 +217,7 @@ class SchedulerActor:
         that many single calls would: buffer it, plan every step it made ready. Batches
         that arrived at a front-end together share the call (`IngestGroups`). The last
         reply carries what the front-end may free."""
+        self._require_registered(frontend_id)
         self.apply_notes(notes)
         replies = [self._ingest_one(meta, payload) for meta, payload in batches]
         self._commit()
@@ -313,8 +331,7 @@ def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
     # With a journal Ray restarts a crashed actor, which rebuilds its state from it; without
     # one a restarted actor would start empty under the same name: the sidecar stops instead.
     restarts = -1 if config.journal.dir else 0
-    handle = actor_class.options(name=name, namespace=namespace, max_restarts=restarts).remote(
-        config
-    )
+    options = actor_class.options(name=name, namespace=namespace, max_restarts=restarts)
+    handle = options.remote(config, secrets.token_urlsafe(32))
     ray.get(handle.ping.remote())  # surface construction errors here, not on first use
     return handle

@@ -120,6 +120,15 @@ class SchedulerClient:
     def unregister(self, timeout_s: float) -> None:
         ray.get(self.actor.unregister_frontend.remote(self.frontend_id), timeout=timeout_s)
 
+    def incarnation(self, timeout_s: float) -> str:
+        """Which start of the actor answers (it changes when Ray restarts it)."""
+        return ray.get(self.actor.incarnation.remote(), timeout=timeout_s)
+
+    def drop_notes(self) -> None:
+        """Forget the pending notes: the actor they were for is gone, and the one that
+        replaced it learns the truth from the journal (`claim_slot`)."""
+        self._take_notes()
+
     def peer_token(self) -> str:
         """The secret every front-end of this sidecar presents on the others' peer ports."""
         return ray.get(self.actor.peer_token.remote())

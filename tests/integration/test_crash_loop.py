@@ -168,12 +168,11 @@ def _trainer(address: str, rank: int, steps: int, history, stop) -> None:
                     break
 
 
-def _run_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
+def _workload(num_groups: int, rng: np.random.Generator) -> tuple:
+    """The rollouts, and two producers' batches of 3 (a group's rollouts span batches)."""
     rollouts = synthetic_groups(
         num_groups=num_groups, group_size=GROUP_SIZE, rng=rng, tasks=TASKS, max_length=120
     )
-    # Two producers; each sends its groups' rollouts in batches of 3 (groups span batches).
     order = np.arange(len(rollouts))
     halves = [order[: len(order) // 2], order[len(order) // 2 :]]
     work = [
@@ -181,13 +180,20 @@ def _run_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> d
          np.array_split(half, max(1, len(half) // 3))]
         for half in halves
     ]  # fmt: skip
+    return rollouts, work
+
+
+def _run_crash_loop(address: str, crash, kills: int, num_groups: int, seed: int) -> dict:
+    """Producers and trainers against `address` while `crash()` is called `kills` times at
+    random points (it returns once the sidecar answers again); then drain."""
+    rng = np.random.default_rng(seed)
+    rollouts, work = _workload(num_groups, rng)
     steps = num_groups // PROMPTS_PER_STEP
-    sidecar, history, stop = Sidecar(tmp_path), History(), threading.Event()
-    sidecar.start()
+    history, stop = History(), threading.Event()
     threads = [
-        threading.Thread(target=_producer, args=(sidecar.address, w, history, stop)) for w in work
+        threading.Thread(target=_producer, args=(address, w, history, stop)) for w in work
     ] + [
-        threading.Thread(target=_trainer, args=(sidecar.address, r, steps, history, stop))
+        threading.Thread(target=_trainer, args=(address, r, steps, history, stop))
         for r in range(WORLD_SIZE)
     ]
     try:
@@ -197,22 +203,34 @@ def _run_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> d
         for _ in range(kills):
             time.sleep(float(rng.uniform(0.5, 3.0)))
             mid_ingest += any(t.is_alive() for t in threads[: len(work)])
-            sidecar.kill()
-            sidecar.start()
+            crash()
         deadline = time.monotonic() + 240
         for thread in threads:
             thread.join(timeout=max(1.0, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in threads), "clients did not finish draining"
     finally:
         stop.set()
-        sidecar.stop()
     return {
         "history": history,
         "rollouts": rollouts,
         "steps": steps,
-        "kills": sidecar.starts - 1,
+        "kills": kills,
         "mid_ingest": mid_ingest,
     }
+
+
+def _serve_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
+    sidecar = Sidecar(tmp_path)
+    sidecar.start()
+
+    def crash() -> None:
+        sidecar.kill()
+        sidecar.start()
+
+    try:
+        return _run_crash_loop(sidecar.address, crash, kills, num_groups, seed)
+    finally:
+        sidecar.stop()
 
 
 def _check(run: dict) -> None:
@@ -238,7 +256,7 @@ def _report(run: dict) -> None:
 
 @pytest.mark.timeout(600)
 def test_crash_loop_short(tmp_path) -> None:
-    run = _run_crash_loop(tmp_path, kills=2, num_groups=60, seed=0)
+    run = _serve_crash_loop(tmp_path, kills=2, num_groups=60, seed=0)
     _check(run)
     _report(run)
     assert run["mid_ingest"] >= 1  # the kills hit a live run, not a finished one
@@ -248,6 +266,60 @@ def test_crash_loop_short(tmp_path) -> None:
 @pytest.mark.timeout(3000)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_crash_loop(tmp_path, seed: int) -> None:
-    run = _run_crash_loop(tmp_path, kills=8, num_groups=240, seed=seed)
+    run = _serve_crash_loop(tmp_path, kills=8, num_groups=240, seed=seed)
     _check(run)
     _report(run)
+
+
+def _actor_crash(sidecar, timeout_s: float = 60.0):
+    """Kill the scheduler actor (Ray restarts it: the journal rebuilds it) and return once
+    the front-end has rejoined the new one."""
+    import ray
+
+    def crash() -> None:
+        rejoins = sidecar.watch.rejoins
+        ray.kill(sidecar.actor, no_restart=False)
+        deadline = time.monotonic() + timeout_s
+        while sidecar.watch.rejoins == rejoins:
+            assert time.monotonic() < deadline, "the front-end did not rejoin the new actor"
+            time.sleep(0.05)
+
+    return crash
+
+
+def _sections(journal_dir: Path) -> dict:
+    return {
+        "rollouts": {"group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP},
+        "batching": {"world_size": WORLD_SIZE, "token_budget": 512},
+        "advantages": {"drop_zero_advantage": False},
+        "journal": {"dir": str(journal_dir)},
+    }
+
+
+@pytest.mark.timeout(600)
+def test_scheduler_actor_killed_mid_run_loses_nothing(make_sidecar, tmp_path) -> None:
+    sidecar = make_sidecar(**_sections(tmp_path))
+    run = _run_crash_loop(sidecar.address, _actor_crash(sidecar), kills=2, num_groups=60, seed=4)
+    _check(run)
+    _report(run)
+    assert run["mid_ingest"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_without_a_journal_a_dead_actor_stops_the_front_end(make_sidecar) -> None:
+    import ray
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sidecar = make_sidecar()
+    killed = time.monotonic()
+    ray.kill(sidecar.actor)
+    with grpc.insecure_channel(sidecar.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+            assert time.monotonic() - killed < 5, "health still SERVING with the actor dead"
+            time.sleep(0.05)
+        not_serving_after = time.monotonic() - killed
+    assert sidecar.lost.wait(timeout=15), "the front-end lingers with its actor dead"
+    assert "journal" in sidecar.lost_reason
+    print(f"NOT_SERVING after {not_serving_after:.1f} s, lost after "
+          f"{time.monotonic() - killed:.1f} s")  # fmt: skip
