@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.journal import Journal, JournalConfig
+from rlfeed.service.journal import Journal, JournalConfig, SnapshotStore
 from rlfeed.service.scheduler.records import (
     BatchMeta,
     FetchResult,
@@ -43,6 +43,7 @@ _log = logging.getLogger("rlfeed.service.scheduler.journaled")
 SCHEDULER_SLOT = "scheduler"  # the folder of this journal under [journal] dir
 _CALL = 1  # the one record kind: [format version, method, *arguments]
 CALL_FORMAT_VERSION = 1
+STATE_VERSION = 1  # of `Scheduler.snapshot_state`'s layout
 
 RefOf = Callable[[Any], JournalRef | None]  # a payload handle -> where its bytes are journaled
 
@@ -63,10 +64,14 @@ class JournaledScheduler(Scheduler):
         super().__init__(config, track_releases=True)
         storage = _storage_config(config.journal)
         self._journal = Journal.open(directory / SCHEDULER_SLOT, storage)
+        self._snapshots = SnapshotStore(directory / SCHEDULER_SLOT, config.journal)
         self._durable = config.journal.sync != "none"
+        self._snapshot_every = config.journal.snapshot_every_records
         self._ref_of = ref_of
+        self._step_refs: dict[int, list[JournalRef]] = {}  # held steps' journaled responses
+        self._since_snapshot = 0
         self._replaying = False
-        self.recovered_work = self._replay()
+        self.recovered_work = self._recover()
 
     # ---- recording ----------------------------------------------------------------------
 
@@ -74,12 +79,39 @@ class JournaledScheduler(Scheduler):
         if not self._replaying:
             body = msgpack.packb([CALL_FORMAT_VERSION, method, *args], use_bin_type=True)
             self._journal.append(_CALL, body)
+            self._since_snapshot += 1
 
     def commit(self) -> None:
         """Make every call recorded so far durable (per `[journal] sync`): the actor calls
-        it before it answers a call that changed the state."""
+        it before it answers a call that changed the state. Every `snapshot_every_records`
+        calls, also snapshot the state and delete the records the older kept snapshot
+        covers (tried again at each commit while a step waits to be stored)."""
         if self._durable:
             self._journal.sync()
+        if self._since_snapshot >= self._snapshot_every:
+            self.snapshot()
+
+    def snapshot(self) -> bool:
+        """Write a snapshot now if the state allows one (see `Scheduler.snapshot_state`)."""
+        state = self.snapshot_state(
+            lambda handle: _ref(self._ref_of(handle)),
+            lambda step: (
+                [_ref(r) for r in self._step_refs[step]] if step in self._step_refs else None
+            ),
+        )
+        if state is None:
+            return False
+        position = self._journal.sync()  # never a snapshot ahead of the journal
+        self._snapshots.write(position, STATE_VERSION, state)
+        self._since_snapshot = 0
+        self._journal.delete_before(self._snapshots.oldest_position() + 1)
+        return True
+
+    def take_releases(self) -> tuple[list[Any], list[int]]:
+        payloads, steps = super().take_releases()
+        for step in steps:
+            self._step_refs.pop(step, None)
+        return payloads, steps
 
     def close(self) -> None:
         self._journal.close()
@@ -126,6 +158,7 @@ class JournaledScheduler(Scheduler):
         if refs is None or len(refs) != len(responses):
             raise ValueError(f"step {step}: store_step needs a journal reference per rank")
         record = super().store_step(step, responses, response_bytes)
+        self._step_refs[step] = list(refs)
         self._record("store_step", int(step), [_ref(r) for r in refs], record.response_bytes)
         return record
 
@@ -146,15 +179,47 @@ class JournaledScheduler(Scheduler):
 
     # ---- recovery -----------------------------------------------------------------------
 
-    def _replay(self) -> list[StepWork]:
-        """Apply every recorded call; return the steps planned but not stored, in step
-        order (their front-end must materialize them again)."""
+    def _recover(self) -> list[StepWork]:
+        """Load the newest valid snapshot, then replay the calls recorded after it; return
+        the steps planned but not stored, in step order (to materialize again). Every
+        bytes handle in the state is then a `JournalRef`."""
+        snapshot = self._snapshots.load_latest()
+        after = 0
+        if snapshot is not None:
+            if snapshot.version != STATE_VERSION:
+                raise ValueError(
+                    f"{self._journal.directory}: snapshot at {snapshot.position} has state "
+                    f"version {snapshot.version}; this rlfeed reads {STATE_VERSION}"
+                )
+            self.restore_state(snapshot.state, _unref)
+            after = snapshot.position
+        unstored, calls = self._replay(after)
+        self._step_refs = {
+            step: list(held) for step in self.held_steps(list(self._steps))
+            if (held := self._steps[step].payloads) is not None
+        }  # fmt: skip
+        if snapshot is not None or calls:
+            _log.info(
+                "rlfeed: scheduler rebuilt from %s and %d journaled calls: next step %d, %d "
+                "rollouts buffered, %d steps to materialize again",
+                f"the snapshot at {snapshot.position}" if snapshot else "no snapshot",
+                calls,
+                self.next_step,
+                self.status().buffered_rollouts,
+                len(unstored),
+            )
+        return unstored
+
+    def _replay(self, after: int) -> tuple[list[StepWork], int]:
+        """Apply every call recorded after position `after`: (unstored steps, calls)."""
         unstored: dict[int, StepWork] = {}
         calls = 0
         self._replaying = True
         try:
-            for record in self._journal.records_after(0):
-                version, method, *args = msgpack.unpackb(record.payload, raw=False)
+            for record in self._journal.records_after(after):
+                version, method, *args = msgpack.unpackb(
+                    record.payload, raw=False, strict_map_key=False
+                )
                 if version != CALL_FORMAT_VERSION:
                     raise ValueError(
                         f"{self._journal.directory}: record {record.seq} has format version "
@@ -167,16 +232,7 @@ class JournaledScheduler(Scheduler):
         finally:
             self._replaying = False
         self.take_releases()  # they name handles of processes that are gone
-        if calls:
-            _log.info(
-                "rlfeed: scheduler rebuilt from %d journaled calls: next step %d, %d rollouts "
-                "buffered, %d steps to materialize again",
-                calls,
-                self.next_step,
-                self.status().buffered_rollouts,
-                len(unstored),
-            )
-        return [unstored[step] for step in sorted(unstored)]
+        return [unstored[step] for step in sorted(unstored)], calls
 
     _last_stored: int | None = None
 

@@ -10,6 +10,7 @@ metadata and an opaque handle of the batch's columns (`BatchHandle` in the sidec
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ import numpy as np
 from rlfeed.sched.advantages import zero_advantage_groups
 from rlfeed.sched.assembly import TOKEN_BYTES, StepRollouts, assemble_step
 from rlfeed.sched.curriculum import (
+    PassRates,
     grow,
     init_pass_rates,
     inside_filter,
@@ -682,3 +684,123 @@ class Scheduler:
         """float64 [tasks]: the current pass-rate estimate of every registered task, in
         registration order (a copy; the metrics' pass-rate histogram reads it)."""
         return np.array(self._pass_rates.estimate, dtype=np.float64)
+
+    # ---- snapshots (a journal's shortcut past its older records) ---------------------
+
+    def snapshot_state(self, batch_ref: Any, step_refs: Any) -> dict | None:
+        """The whole state as plain msgpack values, every bytes handle as a journal
+        reference: `batch_ref(handle)` -> [slot, position] of an ingest batch,
+        `step_refs(step)` -> one per rank. None while that is not possible: a planned step
+        is not stored yet (its work exists only in memory) or a handle has no reference."""
+        if any(held.payloads is None for held in self._steps.values()):
+            return None
+        payloads = {key: [batch_ref(entry[0]), entry[1]] for key, entry in self._payloads.items()}
+        steps = {
+            step: [
+                dataclasses.asdict(held.record),
+                held.num_rollouts,
+                step_refs(step),
+                sorted(held.fetched),
+                held.reads,
+            ]
+            for step, held in self._steps.items()
+        }
+        refs = [v[0] for v in payloads.values()] + [v[2] for v in steps.values()]
+        if any(ref is None for ref in refs):
+            return None
+        rates = self._pass_rates
+        return {
+            "tasks": self._task_ids,
+            "pass_rates": [
+                *(a.tolist() for a in (rates.estimate, rates.visits, rates.alpha, rates.beta)),
+                rates.last_visit.tolist(),
+                rates.num_updates,
+            ],
+            "rng": _rng_state(self._rng),
+            "open": _groups_state(self._open),
+            "complete": _groups_state(self._complete),
+            "closed": [[g, reason, ids] for g, (reason, ids) in self._closed.items()],
+            "payloads": payloads,
+            "steps": steps,
+            "counts": [
+                self._next_batch_key,
+                self._next_arrival,
+                self._newest_version,
+                self._buffered_rollouts,
+                self._buffered_bytes,
+                self._rollouts_in_steps,
+                self._next_step,
+                self._zero_dropped_since_step,
+            ],
+            "fully_fetched": list(self._fully_fetched),
+            "counters": dataclasses.asdict(self.counters),
+            "step_records": [dataclasses.asdict(r) for r in self.step_records],
+            "last_reports": self.last_reports,
+        }
+
+    def restore_state(self, state: dict, unref: Any) -> None:
+        """Become the scheduler `snapshot_state` described (on a fresh instance): handles
+        come back as `unref([slot, position])`, i.e. journal references."""
+        self.register_tasks(state["tasks"])
+        *arrays, last_visit, updates = state["pass_rates"]
+        self._pass_rates = PassRates(
+            *(np.asarray(a, dtype=np.float64) for a in arrays[:1]),
+            np.asarray(arrays[1], dtype=np.int64),
+            *(np.asarray(a, dtype=np.float64) for a in arrays[2:]),
+            np.asarray(last_visit, dtype=np.int64),
+            num_updates=updates,
+            prior_alpha=self._pass_rates.prior_alpha,
+            prior_beta=self._pass_rates.prior_beta,
+            initial_estimate=self._pass_rates.initial_estimate,
+        )
+        _set_rng_state(self._rng, state["rng"])
+        for name, target in (("open", self._open), ("complete", self._complete)):
+            for group_id, task_id, rows, min_version in state[name]:
+                target[group_id] = _Group(task_id, [_Row(*row) for row in rows], min_version)
+                self._seen.update(row[3] for row in rows)
+        for group_id, reason, ids in state["closed"]:
+            self._closed[group_id] = (reason, ids)
+            self._seen.update(ids)
+        self._payloads = {int(k): [unref(ref), n] for k, (ref, n) in state["payloads"].items()}
+        for step, (record, num_rollouts, refs, fetched, reads) in state["steps"].items():
+            self._steps[int(step)] = _Step(
+                StepRecord(**record), num_rollouts, [unref(r) for r in refs], set(fetched), reads
+            )
+        (
+            self._next_batch_key,
+            self._next_arrival,
+            self._newest_version,
+            self._buffered_rollouts,
+            self._buffered_bytes,
+            self._rollouts_in_steps,
+            self._next_step,
+            self._zero_dropped_since_step,
+        ) = state["counts"]
+        self._fully_fetched = deque(state["fully_fetched"])
+        self.counters = Counters(**state["counters"])
+        self.step_records.extend(StepRecord(**r) for r in state["step_records"])
+        self.last_reports = {int(rank): report for rank, report in state["last_reports"].items()}
+
+
+def _groups_state(groups: dict[str, _Group]) -> list:
+    return [[g, x.task_id, [list(r) for r in x.rows], x.min_version] for g, x in groups.items()]
+
+
+def _rng_state(generator: np.random.Generator) -> list[str]:
+    """The PCG64 generator's state as strings (its integers have 128 bits; msgpack, 64)."""
+    state = generator.bit_generator.state
+    inner = state["state"]
+    values = (inner["state"], inner["inc"], state["has_uint32"], state["uinteger"])
+    return [state["bit_generator"], *map(str, values)]
+
+
+def _set_rng_state(generator: np.random.Generator, saved: list[str]) -> None:
+    name, state, inc, has_uint32, uinteger = saved
+    if name != generator.bit_generator.state["bit_generator"]:
+        raise ValueError(f"snapshot: random generator {name!r} is not this numpy's default")
+    generator.bit_generator.state = {
+        "bit_generator": name,
+        "state": {"state": int(state), "inc": int(inc)},
+        "has_uint32": int(has_uint32),
+        "uinteger": int(uinteger),
+    }

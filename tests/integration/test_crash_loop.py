@@ -44,6 +44,7 @@ drop_zero_advantage = false
 [journal]
 sync = "group"
 segment_bytes = 65536
+snapshot_every_records = 40
 """
 
 
@@ -292,7 +293,7 @@ def _sections(journal_dir: Path) -> dict:
         "rollouts": {"group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP},
         "batching": {"world_size": WORLD_SIZE, "token_budget": 512},
         "advantages": {"drop_zero_advantage": False},
-        "journal": {"dir": str(journal_dir)},
+        "journal": {"dir": str(journal_dir), "snapshot_every_records": 40},
     }
 
 

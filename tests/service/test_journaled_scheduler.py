@@ -21,12 +21,17 @@ from rlfeed.service.testing import synthetic_groups
 SLOT = "frontend-0"
 
 
-def _config(journal_dir) -> SidecarConfig:
+def _config(journal_dir, snapshot_every: int = 20_000) -> SidecarConfig:
     return with_overrides(
         SidecarConfig(),
         rollouts={"prompts_per_step": 2, "group_size": 4},
         batching={"world_size": 2, "token_budget": 256},
-        journal={"dir": str(journal_dir), "sync": "none"},
+        journal={
+            "dir": str(journal_dir),
+            "sync": "none",
+            "segment_bytes": 4096,
+            "snapshot_every_records": snapshot_every,
+        },
     )
 
 
@@ -78,6 +83,10 @@ def _drive(schedulers: list[Scheduler], seed: int, calls: int, first_key: int = 
         elif action == "report":
             for scheduler in schedulers:
                 scheduler.record_report(int(rng.integers(0, 2)), {"step": 1.0, "loss": 0.5})
+        for scheduler in schedulers:  # as the actor does after each call
+            scheduler.take_releases()
+            if isinstance(scheduler, JournaledScheduler):
+                scheduler.commit()
     return answers
 
 
@@ -86,9 +95,14 @@ def _comparable(scheduler: Scheduler) -> tuple:
     return status, scheduler.pass_rate_estimates().tolist()
 
 
+@pytest.mark.parametrize("snapshot_every", [20_000, 7])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_replay_rebuilds_the_scheduler_that_never_stopped(tmp_path, seed: int) -> None:
-    config = _config(tmp_path)
+def test_replay_rebuilds_the_scheduler_that_never_stopped(
+    tmp_path, seed: int, snapshot_every: int
+) -> None:
+    """Replayed from the first call, or from a snapshot taken mid-run plus the calls after
+    it (old segments deleted): the same scheduler either way."""
+    config = _config(tmp_path, snapshot_every)
     journaled = JournaledScheduler(config, tmp_path, _ref_of)
     plain = Scheduler(config, track_releases=True)
     for scheduler in (journaled, plain):
@@ -96,6 +110,10 @@ def test_replay_rebuilds_the_scheduler_that_never_stopped(tmp_path, seed: int) -
     _drive([journaled, plain], seed, calls=120)
     assert plain.next_step >= 3  # the workload planned, stored and fetched steps
     journaled.close()
+    segments = sorted((tmp_path / SCHEDULER_SLOT).glob("*.seg"))
+    if snapshot_every < 20_000:
+        assert list((tmp_path / SCHEDULER_SLOT).glob("snapshot-*.msgpack"))
+        assert int(segments[0].stem) > 1  # the first records' segments are gone
 
     rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
     assert _comparable(rebuilt) == _comparable(plain)
