@@ -9,6 +9,7 @@ keeps that memory bounded by moving the oldest held steps into the object store.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
@@ -138,18 +139,20 @@ class StepAssembler:
             # fetch can see the step.
             record = replace(work.record, response_bytes=size)
             frontend.events.on_step(record, responses=responses, ready_time=planned_at)
-            # Journaled before the actor hears of the step: its journal names the records.
-            journal = frontend.journal
-            positions = journal.append_all(KIND_RESPONSE, responses) if journal else []
-            with frontend.storing:
-                frontend.scheduler.note(
-                    StoreStepNote(step, [frontend.marker] * len(responses), size, positions)
-                )
-                frontend.responses.put(step, responses)
-                # Stored: never built again, whatever fails below (the actor will release
-                # the batches it read). Work for a lower step may have arrived meanwhile.
-                with self._unstored_lock:
-                    del self._unstored[bisect.bisect_left(self._unstored, step, key=_step_of)]
+            with self._journaling():
+                # Journaled before the actor hears of the step: its journal names them.
+                journal = frontend.journal
+                positions = journal.append_all(KIND_RESPONSE, responses) if journal else []
+                with frontend.storing:
+                    frontend.scheduler.note(
+                        StoreStepNote(step, [frontend.marker] * len(responses), size, positions)
+                    )
+                    frontend.responses.put(step, responses)
+                    # Stored: never built again, whatever fails below (the actor will release
+                    # the batches it read). Work for a lower step may have arrived meanwhile.
+                    with self._unstored_lock:
+                        index = bisect.bisect_left(self._unstored, step, key=_step_of)
+                        del self._unstored[index]
             frontend.signals.stored_here(step)
             if frontend.announce:
                 try:  # best effort: a waiting rank elsewhere then takes the actor's path
@@ -157,6 +160,10 @@ class StepAssembler:
                 except Exception:
                     _log.warning("rlfeed: announcing step %d to the other front-ends failed", step)
         self._move_out_old_steps()
+
+    def _journaling(self) -> contextlib.AbstractContextManager:
+        retention = self.frontend.retention
+        return retention.appending() if retention is not None else contextlib.nullcontext()
 
     def _resolve_payload(self, handle: BatchHandle | StoredObject) -> TokenColumns:
         """An ingest batch's columns: from this front-end's memory, from the front-end that

@@ -8,6 +8,7 @@ metadata and the handle; the ack answers from its result.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import grpc
@@ -126,17 +127,18 @@ class RolloutIngest:
         alongside; hand the steps it made ready to the assembler and free what the actor
         released. With a journal the payload is journaled first, as received, and its
         position is the batch's key: the actor records the batch by it."""
-        payloads, journal = self.frontend.payloads, self.frontend.journal
-        key = None
-        if len(arrays) and journal is not None:
-            key = journal.append(KIND_BATCH, payload)
-            payloads.put(key, arrays.columns)
-        elif len(arrays):
-            key = payloads.add(arrays.columns)
-        handle = BatchHandle(self.frontend.id, key) if key is not None else None
-        # A failed call keeps the columns: the batch may have been buffered before the
-        # failure (a dead actor takes the whole sidecar down anyway).
-        reply = self._groups.ingest(batch_meta(arrays), handle)
+        payloads, retention = self.frontend.payloads, self.frontend.retention
+        with retention.appending() if retention is not None else contextlib.nullcontext():
+            key = None
+            if len(arrays) and retention is not None:
+                key = retention.journal.append(KIND_BATCH, payload)
+                payloads.put(key, arrays.columns)
+            elif len(arrays):
+                key = payloads.add(arrays.columns)
+            handle = BatchHandle(self.frontend.id, key) if key is not None else None
+            # A failed call keeps the columns: the batch may have been buffered before the
+            # failure (the actor's journal then has it, and this slot serves it).
+            reply = self._groups.ingest(batch_meta(arrays), handle)
         if key is not None and not (reply.kind is IngestKind.OK and reply.result.accepted > 0):
             payloads.discard(key)  # the scheduler did not keep the batch
         if reply.work:

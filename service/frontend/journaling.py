@@ -11,12 +11,17 @@ that serves a slot after a restart finds its predecessor's records there.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal, JournalCorruptError
+from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import SlotClaim
 
 KIND_BATCH = 1  # an ingest batch's Arrow IPC stream, as received
@@ -73,3 +78,37 @@ def load_claim(
     for step in sorted(loaded):
         responses.put(step, loaded[step])
     return len(batches), len(loaded)
+
+
+class SlotRetention:
+    """Deletes the segments of a front-end's journal that nothing needs any more: every
+    record before the oldest position the scheduler still refers to, and before any record
+    on its way to the scheduler (appended, the actor not told yet: `appending`)."""
+
+    def __init__(self, journal: Journal, slot: str) -> None:
+        self.journal, self.slot = journal, slot
+        self._pending: Counter[int] = Counter()  # lower bounds of records on their way
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def appending(self) -> Iterator[None]:
+        """Around an append and the call that tells the scheduler of it."""
+        with self._lock:
+            bound = self.journal.last_position + 1  # what is appended now is at or past it
+            self._pending[bound] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending[bound] -= 1
+                if not self._pending[bound]:
+                    del self._pending[bound]
+
+    def trim(self, scheduler: SchedulerClient) -> int:
+        """Delete what is not needed; returns the segments deleted."""
+        with self._lock:  # first: a record appended after this is past `floor`
+            floor = min(self._pending, default=self.journal.last_position + 1)
+        needed = scheduler.journal_floor(self.slot)
+        if needed is not None:
+            floor = min(floor, needed)
+        return len(self.journal.delete_before(floor))

@@ -357,6 +357,7 @@ def _set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
 def _watch(sidecar: SidecarServer, peer_address: str) -> ActorWatch:
     """Start the front-end's watch on the scheduler actor (see `watch.py`)."""
     frontend = sidecar.frontend
+    retention = frontend.retention
 
     def rejoin() -> None:
         frontend.scheduler.drop_notes()
@@ -374,6 +375,7 @@ def _watch(sidecar: SidecarServer, peer_address: str) -> ActorWatch:
         set_serving=lambda serving: _set_serving(sidecar.health, serving),
         rejoin=rejoin,
         on_lost=on_lost,
+        maintain=(lambda: retention.trim(frontend.scheduler)) if retention else None,
     )
     watch.start(frontend.scheduler.incarnation(timeout_s=30))
     return watch

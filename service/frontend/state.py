@@ -18,6 +18,7 @@ import grpc
 import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.events import GuardedEvents, ServerEvents
+from rlfeed.service.frontend.journaling import SlotRetention
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal
 from rlfeed.service.replicas.peers import PeerClient
@@ -131,6 +132,7 @@ class FrontendState:
         self.config = config
         # Where this front-end journals what it acknowledges (None: [journal] dir unset).
         self.journal, self.slot = journal, slot
+        self.retention = SlotRetention(journal, slot) if journal is not None else None
         self.id = uuid.uuid4().hex
         self.marker = HeldBy(self.id)  # the actor's handle of a step whose bytes are here
         self.announce = announce  # tell the other front-ends (when there may be any)

@@ -32,11 +32,15 @@ class ActorWatch:
         set_serving: Callable[[bool], None],
         rejoin: Callable[[], None],
         on_lost: Callable[[str], None],
+        maintain: Callable[[], None] | None = None,
         interval_s: float = 1.0,
         lost_after_s: float = 5.0,
+        maintain_every_s: float = 10.0,
     ) -> None:
         self.frontend = frontend
         self._set_serving, self._rejoin, self._on_lost = set_serving, rejoin, on_lost
+        # Periodic upkeep while the actor answers (the journal's retention).
+        self._maintain, self.maintain_every_s = maintain, maintain_every_s
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
         self.rejoins = 0  # restarts of the actor this front-end rejoined
         self._stop = threading.Event()
@@ -55,6 +59,7 @@ class ActorWatch:
 
     def _loop(self, known: str) -> None:
         down_since: float | None = None
+        maintained = time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
                 current = self.frontend.scheduler.incarnation(timeout_s=5 * self.interval_s)
@@ -74,6 +79,12 @@ class ActorWatch:
             if down_since is not None:
                 self._set_serving(True)
                 down_since = None
+            if self._maintain is not None and time.monotonic() - maintained > self.maintain_every_s:
+                maintained = time.monotonic()
+                try:
+                    self._maintain()
+                except Exception:  # upkeep never stops the watch; tried again later
+                    _log.exception("rlfeed: front-end upkeep failed")
 
     def _down(self, since: float | None, error: Exception) -> float | None:
         """Note an unanswered check: NOT_SERVING at the first; None once lost for good."""

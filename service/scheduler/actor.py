@@ -119,6 +119,12 @@ class SchedulerActor:
         ]
         return SlotClaim(batches=batches, steps=steps, work=work)
 
+    def journal_floor(self, slot: str) -> int | None:
+        """The oldest position of `slot`'s journal still needed (None: none is)."""
+        if not isinstance(self._scheduler, JournaledScheduler):
+            return None
+        return self._scheduler.journal_floor(slot)
+
     def _ref_of(self, handle: Any) -> JournalRef | None:
         """Where a payload handle's bytes are journaled (the scheduler's journal names it)."""
         if isinstance(handle, BatchHandle) and handle.frontend_id in self._slots:

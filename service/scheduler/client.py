@@ -114,6 +114,10 @@ class SchedulerClient:
     def register(self, peer_address: str, slot: str = "") -> None:
         ray.get(self.actor.register_frontend.remote(self.frontend_id, peer_address, slot))
 
+    def journal_floor(self, slot: str) -> int | None:
+        """After the pending notes: the oldest position of `slot` the scheduler needs."""
+        return self._after_notes("journal_floor", slot)
+
     def claim_slot(self, slot: str) -> SlotClaim:
         return self._after_notes("claim_slot", self.frontend_id, slot)
 

@@ -107,6 +107,19 @@ class JournaledScheduler(Scheduler):
         self._journal.delete_before(self._snapshots.oldest_position() + 1)
         return True
 
+    def journal_floor(self, slot: str) -> int | None:
+        """The oldest position of `slot`'s journal the state still refers to (a buffered
+        or unstored step's batch, a held step's response); None if none: the front-end
+        of that slot may delete the segments before it."""
+        positions = [
+            ref.position
+            for handle in self.payload_handles()
+            if (ref := self._ref_of(handle)) is not None and ref.slot == slot
+        ]
+        for step in self.held_steps(list(self._step_refs)):  # not released yet
+            positions.extend(ref.position for ref in self._step_refs[step] if ref.slot == slot)
+        return min(positions, default=None)
+
     def take_releases(self) -> tuple[list[Any], list[int]]:
         payloads, steps = super().take_releases()
         for step in steps:

@@ -558,6 +558,10 @@ class Scheduler:
                 held.payloads = [HeldBy(frontend_id)] * len(refs)
         return sorted(batches), steps
 
+    def payload_handles(self) -> list[Any]:
+        """The handle of every ingest batch still held (a query)."""
+        return [entry[0] for entry in self._payloads.values()]
+
     def unstored_steps(self, steps: list[int]) -> list[int]:
         """Those of `steps` planned and still waiting for their responses (a query)."""
         return [
