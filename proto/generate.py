@@ -1,7 +1,11 @@
 """Regenerate the committed Python gencode from `proto/rlfeed.proto`.
 
-Run: `.venv/bin/python -m rlfeed.proto.generate` (needs grpcio-tools). Writes
-`rlfeed_pb2.py`, `rlfeed_pb2.pyi` and `rlfeed_pb2_grpc.py` next to this file.
+Run: `.venv/bin/python -m rlfeed.proto.generate` (needs grpcio-tools) from a source checkout.
+Writes `rlfeed_pb2.py`, `rlfeed_pb2.pyi` and `rlfeed_pb2_grpc.py` next to this file, and
+only there if this file is in a source checkout (the repository's `pyproject.toml` beside
+`proto/`): an installed rlfeed's gencode is what its wheel shipped, and rewriting it in
+`site-packages` would be a silent change of an installed package. `--out-dir DIR` writes
+the three files elsewhere (any installation).
 
 protoc derives import paths from the file's path under its include root, so the .proto is
 copied to `<tmp>/rlfeed/proto/rlfeed.proto` first: the gRPC module then imports
@@ -12,6 +16,7 @@ checks that the committed files are up to date.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -53,8 +58,38 @@ def generate(out_dir: Path) -> list[Path]:
     return written
 
 
-def main() -> int:
-    for path in generate(PROTO_DIR):
+def is_source_checkout(proto_dir: Path = PROTO_DIR) -> bool:
+    """Whether `proto_dir` is the `proto/` of an rlfeed source tree (whose root holds the
+    project's pyproject.toml; a wheel ships none)."""
+    pyproject = proto_dir.parent / "pyproject.toml"
+    return pyproject.is_file() and 'name = "rlfeed"' in pyproject.read_text()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfeed.proto.generate",
+        description="Regenerate the Python gencode (rlfeed_pb2.py, .pyi, rlfeed_pb2_grpc.py) "
+        "from rlfeed.proto with grpcio-tools.",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help=f"write the files here (default: {PROTO_DIR}, only in a source checkout)",
+    )
+    args = parser.parse_args(argv)
+    if args.out_dir is None and not is_source_checkout():
+        print(
+            f"{parser.prog}: {PROTO_DIR} is an installed rlfeed, not a source checkout: "
+            "refusing to rewrite its gencode (use --out-dir DIR)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        written = generate(args.out_dir or PROTO_DIR)
+    except ImportError:
+        print(f"{parser.prog}: needs grpcio-tools: pip install grpcio-tools", file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 

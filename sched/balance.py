@@ -45,7 +45,7 @@ class RankAssignment:
     ranks:               ranks[r] = indices into `microbatches`, in the order rank r runs
                          them (slot order); all ranks have the same length.
     rank_cost:           [world_size] float64 total cost per rank (see `microbatch_cost`).
-    rank_imbalance:      max rank cost / mean rank cost (1.0 = perfect; 1.0 if empty).
+    rank_imbalance:      max rank cost / mean rank cost (`rank_imbalance`; 1.0 = perfect).
     lockstep_efficiency: total cost / (world_size x sum over slots of the slot's largest
                          cost): the share of rank-time spent working (1.0 if empty).
     """
@@ -227,6 +227,19 @@ def lockstep_figures(costs: ArrayLike, ranks: list[list[int]]) -> tuple[np.ndarr
     return _figures(np.asarray(costs, dtype=np.float64), table)
 
 
+def rank_imbalance(rank_cost: ArrayLike) -> float:
+    """max rank cost / mean rank cost: 1.0 when balanced (and when nothing is to do), at most
+    the number of ranks. The one definition: plans, `StepStats.rank_imbalance`, `rlfeed
+    status` / `plan` and the `rlfeed_step_*rank_imbalance` metrics all carry this figure.
+    The ratio rather than its excess over 1 because it is what a step costs: lockstep ranks
+    wait for the slowest, so the step takes `rank_imbalance` x the balanced step's time."""
+    cost = np.asarray(rank_cost, dtype=np.float64)
+    total = float(cost.sum())
+    if total <= 0.0:
+        return 1.0
+    return float(cost.max()) / (total / cost.size)
+
+
 def _figures(costs: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, float, float]:
     """lockstep_figures for a [rank, slot] table of microbatch indices."""
     slot_costs = costs[table]
@@ -234,7 +247,7 @@ def _figures(costs: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, float, f
     total = float(rank_cost.sum())
     if total <= 0.0:
         return rank_cost, 1.0, 1.0
-    imbalance = float(rank_cost.max()) / (total / table.shape[0])
+    imbalance = rank_imbalance(rank_cost)
     efficiency = total / (table.shape[0] * float(slot_costs.max(axis=0).sum()))
     return rank_cost, imbalance, efficiency
 

@@ -145,6 +145,21 @@ class EpisodeShape:
         return self.episodes_per_step * per_episode
 
 
+def mean_decode_context(*, prompt_tokens: int, policy_tokens: int, tool_tokens: int) -> int:
+    """The mean context a generated token is decoded at, for an episode of this shape: the
+    prompt plus half of what follows it, assuming policy and tool tokens interleave evenly
+    over the episode (the KV cache grows from the prompt to the whole episode). What
+    `rlfeed estimate` prices the decode at when given an episode's token counts but no
+    context; `EpisodeShape`'s own default (16,384) is the chapter's figure instead."""
+    for name, value in (
+        ("prompt", prompt_tokens),
+        ("policy", policy_tokens),
+        ("tool", tool_tokens),
+    ):
+        _count(f"{name}_tokens", value)
+    return prompt_tokens + (policy_tokens + tool_tokens) // 2
+
+
 @dataclass(kw_only=True, frozen=True)
 class StepCost:
     """GPU-hours of one step, by term, and the token counts they were priced on."""

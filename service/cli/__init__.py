@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+
+from rlfeed import __version__
+from rlfeed.service.interrupts import EXIT_STATUS, Terminated, stop_signals_raise
 
 # name -> one-line help. Order is the order shown by `rlfeed --help`.
 COMMANDS: dict[str, str] = {
@@ -32,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlfeed",
         description="rlfeed: packed, token-budgeted, rank-balanced RL training batches.",
     )
+    parser.add_argument("--version", action="version", version=f"rlfeed {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
         module = _command_module(name)
@@ -42,13 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; Ctrl-C and SIGTERM end it with one line on stderr and exit status
+    130 / 143 once its cleanup (`finally` blocks) has run. `rlfeed serve` installs its own
+    handlers: for it a signal is the normal way to stop, answered with exit status 0."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        with stop_signals_raise():
+            return int(args._run(args) or 0)
     except BrokenPipeError:
         # `rlfeed plan --json | head` closed our stdout: not an error of ours.
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print(f"rlfeed {args.command}: interrupted", file=sys.stderr)
+        return EXIT_STATUS[signal.SIGINT]
+    except Terminated:
+        pass
+    except SystemExit as exc:
+        # Ray's own SIGTERM handler, in force while `ray.init` runs, exits this way.
+        if exc.code != signal.SIGTERM:
+            raise
+    print(f"rlfeed {args.command}: terminated (SIGTERM)", file=sys.stderr)
+    return EXIT_STATUS[signal.SIGTERM]
 
 
 if __name__ == "__main__":

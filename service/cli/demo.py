@@ -3,10 +3,13 @@
     rlfeed demo                          # embedded local Ray + sidecar, fleet, 2 trainer ranks
     rlfeed demo --steps 20 --config FILE # a longer run with your sidecar config
     rlfeed demo --address HOST:PORT      # drive a running sidecar (smoke test, load generator)
+    RLFEED_ADDRESS=HOST:PORT rlfeed demo # the same (--address wins; empty: start one)
     rlfeed demo --steps 50 --metrics-port 9400   # watch it in Grafana (deploy/grafana)
 
 Prints one line per step, then a summary (padding share, zero-advantage share, rollouts
-saved by the filter, predicted GPU-hours). Exit status 0 when every step trained.
+saved by the filter, predicted GPU-hours). Exit status 0 when every step trained, 1 when
+nothing answers at the address or a part failed, 130 / 143 on Ctrl-C / SIGTERM (after
+stopping what it started).
 """
 
 from __future__ import annotations
@@ -14,12 +17,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlfeed.service.cli.argtypes import ADDRESS_ENV, env_address, sidecar_address, unreachable
+
 DEFAULT_STEPS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--address", help="drive a running sidecar at HOST:PORT instead of starting one"
+        "--address",
+        type=sidecar_address,
+        default=env_address(),
+        help=f"drive a running sidecar at HOST:PORT instead of starting one (default: "
+        f"${ADDRESS_ENV} when set and not empty, else start one)",
     )
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"steps to train (default {DEFAULT_STEPS})"
@@ -54,12 +63,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from rlfeed.client.transport import SidecarError
     from rlfeed.service.demo import run as demo_run
 
-    return demo_run.run_demo(
-        address=args.address,
-        steps=args.steps,
-        config_path=args.config,
-        seed=args.seed,
-        metrics_port=args.metrics_port,
-    )
+    try:
+        return demo_run.run_demo(
+            address=args.address,
+            steps=args.steps,
+            config_path=args.config,
+            seed=args.seed,
+            metrics_port=args.metrics_port,
+        )
+    except SidecarError as exc:  # the trainers' and the fleet's own failures are theirs
+        where = args.address or "the embedded sidecar"
+        if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            print(f"rlfeed demo: {unreachable(where, exc.message)}", file=sys.stderr)
+        else:
+            print(f"rlfeed demo: {where} answered {exc}", file=sys.stderr)
+        return 1

@@ -7,13 +7,14 @@
 Prints KV-cache bytes per token, parameters, decode and training tokens/s, and the model's
 attention_weight (what `rlfeed plan` and `[batching]` balance ranks with by default; the
 model flags are `rlfeed plan`'s). Any episode-shape flag adds one step's GPU-hours by phase
-(missing fields: `EpisodeShape`'s defaults). Bad input exits 2 naming the flag and choices.
+(missing fields: `EpisodeShape`'s defaults), its decode priced at the episode's mean
+context when its token counts are given (printed with where it came from). Bad input exits
+2 naming the flag and choices.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rlfeed.service.cli.argtypes import (
@@ -22,6 +23,7 @@ from rlfeed.service.cli.argtypes import (
     non_negative_int,
     positive_float,
     positive_int,
+    strict_json,
 )
 from rlfeed.service.cli.modelflags import (
     add_model_arguments,
@@ -63,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rates.add_argument(
         "--context",
         type=non_negative_int,
-        help=f"decode context, tokens (default {DEFAULT_CONTEXT}; the step's default is the "
-        "shape's 16384)",
+        help=f"decode context, tokens (default {DEFAULT_CONTEXT}; the step's default: prompt + "
+        "(policy + tool) / 2 when any episode token count is given, else the shape's 16384)",
     )
     rates.add_argument(
         "--mfu", type=fraction, default=DEFAULT_MFU, help=f"training MFU (default {DEFAULT_MFU})"
@@ -103,8 +105,21 @@ def _resolve_gpu(args: argparse.Namespace):
     )
 
 
+# Where the step's decode context came from (printed with it, and in --json).
+CONTEXT_SOURCES = {
+    "flag": "--context",
+    "episode": "prompt + (policy + tool) / 2 of the episode given",
+    "default": "EpisodeShape's default; --context or the episode's token counts change it",
+}
+_EPISODE_TOKEN_FLAGS = ("prompt_tokens", "policy_tokens", "tool_tokens")
+
+
 def _resolve_shape(args: argparse.Namespace):
-    from rlfeed.sched.throughput import EpisodeShape
+    """(EpisodeShape, where its decode context came from: a CONTEXT_SOURCES key), or
+    (None, None) without any episode-shape flag."""
+    from dataclasses import replace
+
+    from rlfeed.sched.throughput import EpisodeShape, mean_decode_context
 
     overrides = {
         field: getattr(args, dest)
@@ -112,12 +127,20 @@ def _resolve_shape(args: argparse.Namespace):
         if getattr(args, dest) is not None
     }
     if not overrides and args.steps is None:
-        return None
+        return None, None
     if args.batch is not None:
         overrides["decode_batch"] = args.batch
     if args.context is not None:
-        overrides["decode_context"] = args.context
-    return EpisodeShape(mfu=args.mfu, **overrides)
+        return EpisodeShape(mfu=args.mfu, decode_context=args.context, **overrides), "flag"
+    shape = EpisodeShape(mfu=args.mfu, **overrides)
+    if not any(getattr(args, dest) is not None for dest in _EPISODE_TOKEN_FLAGS):
+        return shape, "default"
+    context = mean_decode_context(
+        prompt_tokens=shape.prompt_tokens,
+        policy_tokens=shape.policy_tokens,
+        tool_tokens=shape.tool_tokens,
+    )
+    return replace(shape, decode_context=context), "episode"
 
 
 def _estimate(args: argparse.Namespace) -> dict:
@@ -126,7 +149,8 @@ def _estimate(args: argparse.Namespace) -> dict:
     from rlfeed.sched import throughput as tp
     from rlfeed.sched.compute import sequence_cost
 
-    arch, gpu, shape = resolve_arch(args), _resolve_gpu(args), _resolve_shape(args)
+    arch, gpu = resolve_arch(args), _resolve_gpu(args)
+    shape, context_source = _resolve_shape(args)
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     context = DEFAULT_CONTEXT if args.context is None else args.context
     result: dict = {
@@ -150,6 +174,8 @@ def _estimate(args: argparse.Namespace) -> dict:
             "policy_tokens": cost.policy_tokens,
             "total_tokens": cost.total_tokens,
             "decode_tokens_per_s": cost.decode_tokens_per_s,
+            "decode_context": shape.decode_context,
+            "decode_context_from": context_source,
             "decode_memory_bytes": tp.decode_memory_bytes(
                 arch, batch=shape.decode_batch, context=shape.decode_context
             ),
@@ -203,6 +229,7 @@ def _print_text(r: dict) -> None:
         f"step decode          {step['decode_tokens_per_s']:,.0f} tok/s per GPU (batch "
         f"{s['decode_batch']}, context {s['decode_context']:,}), busy {s['busy_fraction']:.2f}"
     )
+    print(f"  context from: {CONTEXT_SOURCES[step['decode_context_from']]}")
     _print_memory_note(step["decode_memory_bytes"], r["gpu_memory_bytes"])
     total = hours["total"]
     parts = "  ".join(
@@ -221,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfeed estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
         _print_text(result)
     return 0

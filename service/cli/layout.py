@@ -1,13 +1,15 @@
-"""`rlfeed layout`: the chapter's Figure 14.1 for a step, as a PNG.
+"""`rlfeed layout`: the chapter's Figure 14.1 for a step, as a picture.
 
     rlfeed layout -o step.png                          # newest step every rank fetched
-    rlfeed layout --step 12 -o step.png --address host:50051
-    rlfeed layout --example -o example.png             # no server: a demo-fleet step
-    rlfeed layout --lengths lengths.txt --budget 65536 --world-size 8 -o plan.png
+    rlfeed layout --step 12 -o step.jpg --address host:50051
+    rlfeed layout --synthetic-step -o example.svg      # no server: a demo-fleet step
+    rlfeed layout --lengths lengths.txt --budget 65536 --world-size 8 -o plan.pdf
 
 From a sidecar it fetches the step with GetBatch for every rank, as trainers do (so by
-default only steps every rank fetched; `--force` draws a waiting one). Needs matplotlib.
-Exit status 2 on bad input, 1 when the sidecar cannot give the step.
+default only steps every rank fetched; `--force` draws a waiting one). The format follows
+the file's extension (`IMAGE_FORMATS`; none: PNG). Needs matplotlib. Exit status 2 on bad
+input (an unknown extension included, before any work), 1 when the sidecar cannot give
+the step.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ import sys
 from pathlib import Path
 
 from rlfeed.service.cli.argtypes import (
-    DEFAULT_ADDRESS,
+    ADDRESS_HELP,
     UsageError,
+    add_renamed_flag,
+    default_address,
     non_negative_int,
     positive_int,
+    sidecar_address,
+    unreachable,
 )
 
 DEFAULT_BUDGET = 2048  # the demo's token budget
 EXAMPLE_GROUPS = 8  # x 8 episodes: one demo step
+# File extension -> matplotlib format (the Agg canvas writes these; JPEG through Pillow, a
+# matplotlib dependency).
+IMAGE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
 
 
 class _SidecarError(Exception):
@@ -33,18 +42,30 @@ class _SidecarError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="PNG to write")
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help=f"picture to write, in the format of its extension: {', '.join(IMAGE_FORMATS)} "
+        "(none: PNG)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--lengths", metavar="FILE", help="plan these lengths offline (text or JSON)"
     )
     source.add_argument(
-        "--example", action="store_true", help="plan one synthetic demo-fleet step offline"
+        "--synthetic-step",
+        action="store_true",
+        help="plan one synthetic demo-fleet step (64 episodes) offline",
     )
+    add_renamed_flag(source, "--example", "--synthetic-step", dest="synthetic_step")
     parser.add_argument(
         "--step", type=non_negative_int, help="served step to draw (default: newest fully fetched)"
     )
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar ({DEFAULT_ADDRESS})")
+    parser.add_argument(
+        "--address", type=sidecar_address, default=default_address(), help=ADDRESS_HELP
+    )
     parser.add_argument(
         "--force", action="store_true", help="draw a step some rank has not fetched yet"
     )
@@ -62,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="offline: data-parallel ranks (default 2)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="--example: fleet seed (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="--synthetic-step: fleet seed (default 0)"
+    )
 
 
 def read_lengths(text: str, source: str) -> tuple[list[int], list[list[int]] | None]:
@@ -163,28 +186,46 @@ def _served_layout(args: argparse.Namespace):
     except StepReleasedError as exc:
         raise _SidecarError(str(exc)) from None
     except SidecarError as exc:
+        if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            raise _SidecarError(unreachable(args.address, exc.message)) from None
         raise _SidecarError(f"{args.address}: {exc}") from None
     finally:
         transport.close()
 
 
+def image_format(path: str) -> str:
+    """The matplotlib format `path`'s extension names (PNG without one); a usage error
+    naming the supported ones otherwise."""
+    suffix = Path(path).suffix.lower()
+    if not suffix:
+        return "png"
+    if suffix not in IMAGE_FORMATS:
+        raise UsageError(
+            f"cannot write {path}: {suffix} is not a format it writes (use one of "
+            f"{', '.join(IMAGE_FORMATS)})"
+        )
+    return IMAGE_FORMATS[suffix]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.step is not None and (args.lengths or args.example):
-            raise UsageError("--step draws a served step; it cannot go with --lengths/--example")
+        image = image_format(args.output)
+        if args.step is not None and (args.lengths or args.synthetic_step):
+            raise UsageError(
+                "--step draws a served step; it cannot go with --lengths/--synthetic-step"
+            )
         try:
             import matplotlib  # noqa: F401  (the `plot` extra)
-            from rlfeed.service.metrics.layout_plot import figure_size_px, render_layout_png
+            from rlfeed.service.metrics.layout_plot import figure_size_px, render_layout
         except ImportError:
             raise UsageError("matplotlib is not installed: pip install 'rlfeed[plot]'") from None
-        if args.example:
+        if args.synthetic_step:
             layout = _example_layout(args)
         elif args.lengths:
             layout = _offline_layout(args)
         else:
             layout = _served_layout(args)
-        png = render_layout_png(layout)
-        Path(args.output).write_bytes(png)
+        Path(args.output).write_bytes(render_layout(layout, image))
     except UsageError as exc:
         print(f"rlfeed layout: {exc}", file=sys.stderr)
         return 2

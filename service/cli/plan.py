@@ -1,6 +1,6 @@
 """`rlfeed plan`: token-budgeted, rank-balanced microbatches for a file of sequence lengths.
 
-    rlfeed plan --example                              # the bundled 14.2 workload
+    rlfeed plan --bundled-lengths                      # the bundled 14.2 workload
     rlfeed plan --lengths lengths.txt --world-size 8 --model qwen3-0.6b
     rlfeed plan --lengths - --budget 65536 --cost padded --json < lengths.txt
 
@@ -13,12 +13,17 @@ the microbatches, ranks' slots and figures in tokens and compute (--help). Error
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from rlfeed.service.cli.argtypes import UsageError, non_negative_float, positive_int
+from rlfeed.service.cli.argtypes import (
+    UsageError,
+    add_renamed_flag,
+    non_negative_float,
+    positive_int,
+    strict_json,
+)
 from rlfeed.service.cli.modelflags import add_model_arguments, resolve_arch
 
 DEFAULT_BUDGET = 131_072  # the chapter's budget: two 64k-token trajectories
@@ -46,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", metavar="FILE", help="one sequence length per line; '-' reads stdin"
     )
     source.add_argument(
-        "--example", action="store_true", help="use the bundled 512-trajectory 14.2 workload"
+        "--bundled-lengths",
+        action="store_true",
+        help="the bundled lengths file: 512 long-tailed trajectories (the 14.2 workload)",
     )
+    add_renamed_flag(source, "--example", "--bundled-lengths", dest="bundled_lengths")
     parser.add_argument(
         "--budget",
         type=positive_int,
@@ -122,7 +130,7 @@ def parse_lengths(text: str, source: str) -> tuple[list[int], list[int]]:
 
 
 def _read(args: argparse.Namespace) -> tuple[str, str]:
-    if args.example:
+    if args.bundled_lengths:
         path = example_path()
         return path.read_text(), str(path)
     if args.lengths == "-":
@@ -262,8 +270,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfeed plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(plan, sys.stdout)
-        sys.stdout.write("\n")
+        print(strict_json(plan))
     else:
         _print_table(plan, source)
     return 0

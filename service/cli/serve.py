@@ -3,21 +3,29 @@
     rlfeed serve                                  # defaults, embedded local Ray, port 50051
     rlfeed serve --config deploy/rlfeed.example.toml --port 0
     rlfeed serve --ray-address auto               # join the Ray cluster of this machine
+    RAY_ADDRESS=head:6379 rlfeed serve            # join that cluster (--ray-address wins)
     rlfeed serve --metrics-port 9400 --replicas 4 # metrics; 4 front-ends on one port
     rlfeed serve --journal-dir /data/rlfeed       # nothing acknowledged is lost in a crash
 
 Prints the resolved config, then `rlfeed serve: listening on HOST:PORT`. SIGTERM or Ctrl-C
-stops it within seconds. Exit 2 for a bad config, 1 when it cannot start or a replica dies.
+stops it gracefully within seconds, exit status 0: serving until told to stop is its whole
+job, so a stop asked for is a success (a Kubernetes Job or `restart: on-failure` must not
+count it as a crash), unlike `rlfeed demo`, whose steps a signal leaves undone (143). Exit
+2 for a bad config, 1 when it cannot start (a port in use: found before Ray starts) or a
+replica dies.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 
 from rlfeed.service.cli.argtypes import positive_int
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # Ray's variable: `ray.init()` joins the cluster it names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ray-address",
         metavar="ADDR",
-        help="join this Ray cluster ('auto' or host:port); default: start an embedded one",
+        help="join this Ray cluster ('auto' or host:port); 'local' starts an embedded one. "
+        "Default: $RAY_ADDRESS when set (Ray's convention), else an embedded local Ray",
     )
     parser.add_argument(
         "--replicas",
@@ -98,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     _install_stop_handlers(stop)  # a signal during the slow Ray start-up is honoured too
     from rlfeed.service.config import dump_config
 
+    _resolve_ray_address(args)
     try:
         config = _resolved_config(args)
         print(dump_config(config, args.print_config), flush=True)
@@ -153,6 +163,17 @@ def _resolved_config(args: argparse.Namespace):
     return config
 
 
+def _resolve_ray_address(args: argparse.Namespace) -> None:
+    """`args.ray_address`: the flag, else $RAY_ADDRESS, else None (an embedded local Ray);
+    `--ray-address local` asks for the embedded one whatever the environment says."""
+    env = os.environ.get(RAY_ADDRESS_ENV, "").strip()
+    args.ray_address_from_env = args.ray_address is None and bool(env)
+    if args.ray_address_from_env:
+        args.ray_address = env
+    if args.ray_address == "local":
+        args.ray_address = None
+
+
 def _bound_exporter(config):
     """The metrics exporter, its port bound, or None without a metrics port. Bound before
     anything starts: a taken port fails at once, and a replica fails before it registers
@@ -203,11 +224,12 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
                 replicas = start_replicas(config, sidecar.port, sidecar.actor)
             except RuntimeError as exc:
                 raise _fail(1, exc) from None
-        _install_stop_handlers(stop)  # Ray installs its own handlers during ray.init
         _install_token_reload(sidecar, replicas)
         if exporter is not None:
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
+        if args.ray_address is not None and args.ray_address_from_env:
+            where += f" from {RAY_ADDRESS_ENV}"
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
         code = _wait_for_stop(stop, replicas, sidecar)

@@ -1,28 +1,39 @@
 """`rlfeed status`: ask a running sidecar for its health and progress.
 
-    rlfeed status                          # 127.0.0.1:50051
+    rlfeed status                          # $RLFEED_ADDRESS, else 127.0.0.1:50051
     rlfeed status --address host:7000 --json
 
 Shows health (grpc.health.v1), the next step, the gRPC front-ends serving (more than one
 with `rlfeed serve --replicas`), buffered rollouts and bytes, tasks inside and outside the
 pass-rate filter, steps still waiting for ranks, and the counters. Exits 1 with
-a clear message when nothing answers at the address.
+a clear message when nothing answers at the address. `--json` is strict JSON: a figure
+that is not finite (a trainer's NaN) is null.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from rlfeed.service.cli.argtypes import DEFAULT_ADDRESS
+from rlfeed.service.cli.argtypes import (
+    ADDRESS_HELP,
+    default_address,
+    positive_float,
+    sidecar_address,
+    strict_json,
+    unreachable,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"HOST:PORT ({DEFAULT_ADDRESS})")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds to wait for an answer (3)"
+        "--address", type=sidecar_address, default=default_address(), help=ADDRESS_HELP
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (non-finite figures: null)"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=3.0, help="seconds to wait for an answer (3)"
     )
 
 
@@ -47,7 +58,8 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _text(address: str, health: str, status) -> str:
+def status_text(address: str, health: str, status) -> str:
+    """What `rlfeed status` prints for a `StatusResponse`."""
     counters = status.counters
     lines = [
         f"rlfeed sidecar at {address}: {health} (rlfeed {status.version})",
@@ -116,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             )
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                message = f"nothing answers at {args.address} (is `rlfeed serve` running?)"
+                message = unreachable(args.address, exc.details() or "")
             else:
                 message = f"{args.address} answered {exc.code().name}: {exc.details()}"
             print(f"rlfeed status: {message}", file=sys.stderr)
@@ -124,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     health = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
     if args.json:
         body = message_to_plain(status)
-        print(json.dumps({"address": args.address, "health": health, **body}, indent=2))
+        print(strict_json({"address": args.address, "health": health, **body}, indent=2))
     else:
-        print(_text(args.address, health, status))
+        print(status_text(args.address, health, status))
     return 0 if health == "SERVING" else 1

@@ -271,7 +271,9 @@ def _start_trainers(address, world_size, steps, start_step, seed, summary_path):
         ]
         # Rank 0's step lines go to our stdout; the others stay quiet unless they fail.
         output = None if rank == 0 else subprocess.DEVNULL
-        processes.append(subprocess.Popen(command, env=env, stdout=output))
+        # A session of their own: a terminal's Ctrl-C reaches only `rlfeed demo`, which
+        # stops them (no traceback from each rank); `_Running.stop` kills them on every path.
+        processes.append(subprocess.Popen(command, env=env, stdout=output, start_new_session=True))
     return processes
 
 

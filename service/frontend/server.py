@@ -10,7 +10,10 @@ reflection, behind `[security]` (TLS, mTLS, role tokens: `service/security/READM
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import signal
+import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -158,20 +161,56 @@ class SidecarServer:
 
 
 def _connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
-    """Make sure this process is a Ray driver; returns True if it started/joined Ray here."""
+    """Make sure this process is a Ray driver; returns True if it started/joined Ray here.
+
+    `ray.init` replaces the SIGTERM handler (with one that exits, and its core worker's C
+    handler that dumps a stack); the caller's is put back once it returns, so `rlfeed
+    serve` and `rlfeed demo` stop on SIGTERM as they decided."""
     if ray.is_initialized():
         return False
-    if ray_address is None:
-        ray.init(
-            address="local",  # always a fresh embedded instance, never a stray cluster
-            num_cpus=config.ray.num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace=config.ray.namespace,
-        )
-    else:
-        ray.init(address=ray_address, namespace=config.ray.namespace, log_to_driver=False)
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        if ray_address is None:
+            ray.init(
+                address="local",  # always a fresh embedded instance, never a stray cluster
+                num_cpus=config.ray.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                namespace=config.ray.namespace,
+            )
+        else:
+            ray.init(address=ray_address, namespace=config.ray.namespace, log_to_driver=False)
+    finally:
+        if sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, sigterm_handler)
     return True
+
+
+def check_port_free(host: str, port: int) -> None:
+    """RuntimeError naming `host:port` when something listens there, before anything
+    starts (Ray's start-up costs seconds). A plain bind, without SO_REUSEPORT, so another
+    sidecar whose front-ends share the port with SO_REUSEPORT is found too; port 0 (any
+    free port) passes."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: connections of an earlier run in TIME_WAIT do not count.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                reason = (
+                    "the port is in use (another rlfeed serve?)"
+                    if exc.errno == errno.EADDRINUSE
+                    else exc.strerror
+                )
+                raise RuntimeError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def _peer_host(host: str) -> str:
@@ -268,8 +307,11 @@ def start_server(
     retained = config.server.retained_free_mib
     if retained and not retain_freed_memory(retained * 2**20, single_arena=True):
         _log.info("rlfeed: [server] retained_free_mib not applied (the C library is not glibc)")
-    # Certificates and the token file are read before Ray starts: a bad one costs no start-up.
+    # Certificates, the token file and the port are checked before Ray starts: a bad one
+    # costs no start-up. A replica joining shares the port its sidecar already holds.
     security = ServerSecurity.from_config(config.security)
+    if not join:
+        check_port_free(config.server.host, config.server.port)
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = journal = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor

@@ -14,8 +14,18 @@ import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeHistogramMetricFamily
+from rlfeed import __version__
 from rlfeed.service.errors import RejectReason
 
 if TYPE_CHECKING:
@@ -74,6 +84,13 @@ class MetricFamilies:
         Info("rlfeed_accounting", "Presets and MFU that price steps.", registry=r).info(
             {"model": accounting.model, "gpu": accounting.gpu, "mfu": repr(accounting.mfu)}
         )
+        # Process health (process_*: CPU, memory, file descriptors, start time; python_*:
+        # interpreter and garbage collection) of the front-end process, as the default
+        # registry of prometheus_client would have it, and the running version.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("rlfeed_build", "The running rlfeed.", registry=r).info({"version": __version__})
         # Ingest.
         self.ingest_batches = counter("rlfeed_ingest_batches", "Rollout batches acknowledged.")
         self.rollouts_accepted = counter("rlfeed_ingest_rollouts_accepted", "Rollouts buffered.")
@@ -133,7 +150,8 @@ class MetricFamilies:
         )
         self.step_imbalance = gauge(
             "rlfeed_step_rank_imbalance",
-            "Max rank tokens / mean rank tokens - 1 (0 = balanced); positions when padded.",
+            "Max rank tokens / mean rank tokens (1 = balanced; sched.balance.rank_imbalance, "
+            "as rlfeed status and plan print it); positions when padded.",
         )
         self.step_lockstep = gauge(
             "rlfeed_step_lockstep_efficiency_ratio",
@@ -142,7 +160,7 @@ class MetricFamilies:
         )
         self.step_compute_imbalance = gauge(
             "rlfeed_step_compute_rank_imbalance",
-            "Max rank compute / mean rank compute - 1 (0 = balanced); compute = tokens + "
+            "Max rank compute / mean rank compute (1 = balanced); compute = tokens + "
             "attention_weight x sum(L^2), the trained model's predicted FLOPs by default.",
         )
         self.step_compute_lockstep = gauge(
@@ -284,9 +302,9 @@ class MetricFamilies:
             (self.step_microbatches, f.microbatches),
             (self.step_microbatches_per_rank, r.microbatches_per_rank),
             (self.step_largest, r.largest_microbatch_positions),
-            (self.step_imbalance, f.rank_imbalance_excess),
+            (self.step_imbalance, r.rank_imbalance),
             (self.step_lockstep, r.lockstep_efficiency),
-            (self.step_compute_imbalance, f.compute_rank_imbalance_excess),
+            (self.step_compute_imbalance, r.compute_rank_imbalance),
             (self.step_compute_lockstep, r.compute_lockstep_efficiency),
             (self.step_token_budget, f.token_budget),
             (self.step_avoided_gpu_seconds, price.padding_avoided_gpu_seconds),

@@ -47,16 +47,6 @@ class StepFigures:
         return share(r.padded_positions - r.real_tokens, r.padded_positions)
 
     @property
-    def rank_imbalance_excess(self) -> float:
-        """max rank tokens / mean rank tokens - 1: 0 when balanced (the exported figure)."""
-        return self.record.rank_imbalance - 1.0
-
-    @property
-    def compute_rank_imbalance_excess(self) -> float:
-        """The same in predicted compute (tokens + attention_weight x sum(L^2))."""
-        return self.record.compute_rank_imbalance - 1.0
-
-    @property
     def fill_ratio(self) -> float:
         """real tokens / (world_size x microbatches_per_rank x token_budget): the share of
         the step's microbatch slots, no-op microbatches included, holding real tokens."""

@@ -4,7 +4,7 @@ Left, one row per sequence padded to the step's longest; right, one row per micr
 rank by rank, as the step computes it. Both panels share one scale, so area is compute.
 Policy tokens blue, other tokens aqua, padding grey, unused budget white, sequence
 boundaries as dark ticks. `StepLayout` is plain numpy data, built from a plan, from served
-microbatches or from lengths; `render_layout_png` imports matplotlib lazily and draws on the
+microbatches or from lengths; `render_layout` imports matplotlib lazily and draws on the
 Agg canvas, never pyplot, so a server thread may call it.
 """
 
@@ -277,8 +277,9 @@ def figure_size_px(layout: StepLayout) -> tuple[int, int]:
     return WIDTH_PX, plot_height + 190
 
 
-def render_layout_png(layout: StepLayout) -> bytes:
-    """The padded-vs-packed picture of `layout` as PNG bytes (see `figure_size_px`)."""
+def render_layout(layout: StepLayout, image_format: str = "png") -> bytes:
+    """The padded-vs-packed picture of `layout` (see `figure_size_px`) in `image_format`, a
+    format of matplotlib's Agg canvas ("png", "jpeg", "svg", "pdf", ...)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import LineCollection, PatchCollection
     from matplotlib.colors import ListedColormap
@@ -395,5 +396,5 @@ def render_layout_png(layout: StepLayout) -> bytes:
     ]
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI)
+    figure.savefig(buffer, format=image_format, dpi=DPI)
     return buffer.getvalue()

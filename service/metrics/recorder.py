@@ -355,13 +355,13 @@ class SidecarMetrics:
         step, source = latest
         if cached is not None and cached[0] == step:
             return cached
-        from rlfeed.service.metrics.layout_plot import StepLayout, render_layout_png
+        from rlfeed.service.metrics.layout_plot import StepLayout, render_layout
 
         with self._render_lock:  # one render at a time; matplotlib is not free
             layout = source if isinstance(source, StepLayout) else source()
             if layout is None:
                 return None
-            png = (step, render_layout_png(layout))
+            png = (step, render_layout(layout))
         with self._lock:
             if self._layout is not None and self._layout[0] == step:
                 self._layout_png = png

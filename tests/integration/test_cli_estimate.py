@@ -125,6 +125,34 @@ def test_cli_step_agrees_with_the_library_for_every_shape_flag():
     assert "run_gpu_hours" not in result
 
 
+REVIEW_SHAPE = ["--prompts=64", "--group-size=8", "--prompt-tokens=2000", "--policy-tokens=4000",
+                "--tool-tokens=2000", "--busy-fraction=0.6"]  # fmt: skip
+
+
+def test_the_step_decodes_at_the_context_of_the_episode_given_and_says_so():
+    """8,000-token episodes are not priced at the chapter's 16,384-token context: the step
+    decodes at their mean context, 2,000 + (4,000 + 2,000) / 2, unless --context says."""
+    derived = _estimate_json(*REVIEW_SHAPE)
+    assert derived["step"]["decode_context"] == 5000 == derived["episode_shape"]["decode_context"]
+    assert derived["step"]["decode_context_from"] == "episode"
+    shape = EpisodeShape(prompts_per_step=64, group_size=8, prompt_tokens=2000, policy_tokens=4000,
+                         tool_tokens=2000, busy_fraction=0.6, decode_context=5000)  # fmt: skip
+    library = step_gpu_hours(MODELS["qwen3-8b"], GPUS["h200"], shape)
+    assert derived["step_gpu_hours"]["total"] == pytest.approx(library.total_gpu_hours)
+    flagged = _estimate_json(*REVIEW_SHAPE, "--context=8000")
+    assert (flagged["step"]["decode_context"], flagged["step"]["decode_context_from"]) == (
+        8000,
+        "flag",
+    )
+    chapter = _estimate_json("--steps=300")  # no token counts: the chapter's context
+    assert (chapter["step"]["decode_context"], chapter["step"]["decode_context_from"]) == (
+        16384,
+        "default",
+    )
+    text = _estimate(*REVIEW_SHAPE).stdout
+    assert "context 5,000" in text and "context from: prompt + (policy + tool) / 2" in text
+
+
 def test_custom_architecture_and_gpu_flags_reproduce_the_presets():
     custom = _estimate_json(*QWEN3_8B_ARCH_FLAGS, "--bandwidth=4.8", "--flops=989")
     preset = _estimate_json()

@@ -38,7 +38,16 @@ def lengths_file(tmp_path):
 
 def test_console_script_prints_one_json_plan_of_the_example():
     result = subprocess.run(
-        [sys.executable, "-m", "rlfeed", "plan", "--example", "--world-size", "8", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "rlfeed",
+            "plan",
+            "--bundled-lengths",
+            "--world-size",
+            "8",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -156,10 +156,10 @@ def served_step_figures(responses: list[pb.GetBatchResponse], submitted: Synthet
         "largest": max(microbatch_tokens),
         "groups": len(rewards_of_group),
         "zero_groups": sum(len(r) == 1 for r in rewards_of_group.values()),
-        "imbalance": slot_tokens.sum(axis=1).max() / slot_tokens.sum(axis=1).mean() - 1,
+        "imbalance": slot_tokens.sum(axis=1).max() / slot_tokens.sum(axis=1).mean(),
         # Ranks wait for each other at every slot: time is the slot's costliest microbatch.
         "lockstep": slot_tokens.sum() / (len(responses) * slot_tokens.max(axis=0).sum()),
-        "compute_imbalance": slot_compute.sum(axis=1).max() / slot_compute.sum(axis=1).mean() - 1,
+        "compute_imbalance": slot_compute.sum(axis=1).max() / slot_compute.sum(axis=1).mean(),
         "compute_lockstep": slot_compute.sum() / (len(responses) * slot_compute.max(axis=0).sum()),
     }
 

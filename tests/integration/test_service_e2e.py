@@ -375,15 +375,20 @@ def _rlfeed(*args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Po
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
 
-def _listening_address(server: subprocess.Popen) -> str:
-    """The HOST:PORT a background `rlfeed serve` prints once it is serving."""
+def _listening_line(server: subprocess.Popen) -> str:
+    """The `rlfeed serve: listening on HOST:PORT (...)` line of a background `rlfeed serve`."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = server.stdout.readline()
         assert line or server.poll() is None, "rlfeed serve exited during start-up"
         if line.startswith("rlfeed serve: listening on "):
-            return line.split()[4]
+            return line
     raise AssertionError("rlfeed serve did not print its address")
+
+
+def _listening_address(server: subprocess.Popen) -> str:
+    """The HOST:PORT a background `rlfeed serve` prints once it is serving."""
+    return _listening_line(server).split()[4]
 
 
 def test_rlfeed_serve_answers_health_and_status_then_stops_on_sigterm(tmp_path) -> None:
@@ -507,8 +512,9 @@ ray.shutdown()
 
 
 def test_rlfeed_serve_joins_a_running_ray_cluster_and_leaves_it_running(tmp_path) -> None:
-    """`--ray-address HOST:PORT`: the scheduler actor lives in that cluster (found by name
-    from its own driver), and stopping the sidecar kills the actor but not the cluster.
+    """`RAY_ADDRESS=HOST:PORT` (Ray's convention; `--ray-address` the same, and wins): the
+    scheduler actor lives in that cluster (found by name from its own driver), and stopping
+    the sidecar kills the actor but not the cluster.
     Ray (2.59+) authenticates every process that joins a cluster: like a deployment, every
     process here gets the cluster's token through RAY_AUTH_MODE / RAY_AUTH_TOKEN."""
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
@@ -532,12 +538,12 @@ def test_rlfeed_serve_joins_a_running_ray_cluster_and_leaves_it_running(tmp_path
             str(config),
             "--port",
             "0",
-            "--ray-address",
-            gcs_address,
             background=True,
-            env=auth,
+            env={**auth, "RAY_ADDRESS": gcs_address},
         )
-        address = _listening_address(server)
+        listening = _listening_line(server)
+        assert f"(Ray at {gcs_address} from RAY_ADDRESS)" in listening, listening
+        address = listening.split()[4]
         shown = _rlfeed("status", "--address", address, "--json")
         assert shown.returncode == 0 and json.loads(shown.stdout)["health"] == "SERVING"
         found = subprocess.run(

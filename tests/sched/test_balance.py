@@ -11,6 +11,7 @@ from rlfeed.sched.balance import (
     equalize_microbatch_count,
     lockstep_figures,
     microbatch_cost,
+    rank_imbalance,
 )
 from rlfeed.sched.budgets import token_budget_microbatches
 
@@ -213,6 +214,13 @@ def test_empty_step_is_perfectly_balanced():
     rank_cost, imbalance, efficiency = lockstep_figures([0.0, 0.0], [[0], [1]])
     assert (imbalance, efficiency) == (1.0, 1.0)
     assert rank_cost.tolist() == [0.0, 0.0]
+    assert rank_imbalance([0.0, 0.0]) == 1.0
+
+
+def test_rank_imbalance_is_max_over_mean_one_when_balanced():
+    assert rank_imbalance([3.0, 1.0]) == 1.5  # the step takes 1.5x a balanced one
+    assert rank_imbalance([2.0, 2.0, 2.0]) == 1.0
+    assert rank_imbalance([4.0, 0.0, 0.0, 0.0]) == 4.0  # at most the number of ranks
 
 
 def test_balancing_is_deterministic():

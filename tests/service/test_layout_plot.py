@@ -27,7 +27,7 @@ from rlfeed.service.metrics.layout_plot import (
     layout_from_lengths,
     layout_from_microbatches,
     layout_from_plan,
-    render_layout_png,
+    render_layout,
 )
 
 
@@ -154,7 +154,7 @@ def test_demo_step_picture_has_the_right_size_and_shows_all_three_token_kinds():
         token_budget=4096,
         step=12,
     )
-    png = render_layout_png(layout)
+    png = render_layout(layout)
     pixels = image_module.imread(io.BytesIO(png), format="png")
     width, height = figure_size_px(layout)
     assert pixels.shape[:2] == (height, width)
@@ -180,7 +180,7 @@ def test_layout_command_draws_the_example_and_a_lengths_file_offline(tmp_path, c
     pytest.importorskip("matplotlib")
     from rlfeed.service.cli import main
 
-    assert main(["layout", "--example", "-o", str(tmp_path / "example.png")]) == 0
+    assert main(["layout", "--synthetic-step", "-o", str(tmp_path / "example.png")]) == 0
     assert png_size(tmp_path / "example.png")[0] == 1600
     assert "64 sequences" in capsys.readouterr().out
     spec = {"lengths": [5, 3, 8], "action_masks": [[0, 1, 1, 0, 1], [0, 0, 1], [0] * 8]}
@@ -194,7 +194,7 @@ def test_layout_command_draws_the_example_and_a_lengths_file_offline(tmp_path, c
                  "-o", str(tmp_path / "x.png")])  # fmt: skip
     assert code == 2
     assert "lengths[0] = 40 is longer than --budget 20" in capsys.readouterr().err
-    code = main(["layout", "--example", "--step", "3", "-o", str(tmp_path / "y.png")])
+    code = main(["layout", "--synthetic-step", "--step", "3", "-o", str(tmp_path / "y.png")])
     assert code == 2
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import (
     StepConfig,
     StepRollouts,
@@ -18,6 +19,7 @@ from rlfeed.sched.assembly import (
 )
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, select_tasks
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
+from rlfeed.service.cli.status import status_text
 from rlfeed.service.config import (
     AccountingConfig,
     BatchingConfig,
@@ -25,7 +27,7 @@ from rlfeed.service.config import (
     SidecarConfig,
 )
 from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason, reject_reason
-from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.frontend.codec import decode_rollout_batch, step_stats_to_proto
 from rlfeed.service.frontend.ingest import batch_meta, decode_batch
 from rlfeed.service.frontend.validation import validate_rollout_batch
 from rlfeed.service.inprocess import assemble_ready_steps
@@ -249,9 +251,15 @@ def test_step_balance_is_published_in_tokens_and_in_compute():
     )
     metrics = SidecarMetrics()
     metrics.on_step(record)
-    assert value(metrics, "rlfeed_step_rank_imbalance") == pytest.approx(0.01)
+    # One definition of rank imbalance (max / mean, sched.balance.rank_imbalance): the
+    # metric is the figure `rlfeed status` prints, not a re-derived one.
+    assert value(metrics, "rlfeed_step_rank_imbalance") == pytest.approx(1.01)
     assert value(metrics, "rlfeed_step_lockstep_efficiency_ratio") == pytest.approx(0.98)
-    assert value(metrics, "rlfeed_step_compute_rank_imbalance") == pytest.approx(0.2)
+    assert value(metrics, "rlfeed_step_compute_rank_imbalance") == pytest.approx(1.2)
+    status = pb.StatusResponse(last_step=step_stats_to_proto(record))
+    assert "rank imbalance 1.010 in tokens, 1.200 in compute" in status_text(
+        "x:1", "SERVING", status
+    )
     assert value(metrics, "rlfeed_step_compute_lockstep_efficiency_ratio") == pytest.approx(0.8)
     # Training and log-prob GPU time follow compute lockstep, not token lockstep.
     even = SidecarMetrics()
@@ -373,7 +381,8 @@ def test_metric_names_follow_prometheus_conventions_and_stay_off_the_global_regi
     families = list(text_string_to_metric_families(metrics.exposition().decode()))
     assert families
     for family in families:
-        assert family.name.startswith("rlfeed_"), family.name
+        # ours, and prometheus_client's process health collectors
+        assert family.name.startswith(("rlfeed_", "process_", "python_")), family.name
         assert "percent" not in family.name and "gib" not in family.name
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
@@ -390,6 +399,36 @@ def get(url: str) -> tuple[int, str, bytes]:
             return response.status, response.headers["Content-Type"], response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.headers["Content-Type"], error.read()
+
+
+def test_the_exporter_serves_process_health_and_the_build_version():
+    from rlfeed import __version__
+    from rlfeed.service.metrics.exporter import SidecarExporter
+
+    exporter = SidecarExporter(SidecarConfig())
+    exporter.start(actor=None, port=0)
+    try:
+        status, _, body = get(f"{exporter.url}/metrics")
+    finally:
+        exporter.stop()
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in (
+        "process_resident_memory_bytes",
+        "process_cpu_seconds",
+        "process_open_fds",
+        "process_start_time_seconds",
+        "python_info",
+        "python_gc_collections",
+    ):
+        assert name in families, f"/metrics lacks {name}"
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+    (build,) = families["rlfeed_build_info"].samples
+    assert (build.name, build.labels, build.value) == (
+        "rlfeed_build_info",
+        {"version": __version__},
+        1.0,
+    )
 
 
 def test_metrics_server_serves_metrics_and_the_newest_layout_on_loopback():

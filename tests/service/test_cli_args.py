@@ -1,0 +1,83 @@
+"""The CLI's shared argument rules, in-process: which address wins, what an address must
+look like, and that `--json` output is strict JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+from rlfeed.service.cli import build_parser
+from rlfeed.service.cli.argtypes import DEFAULT_ADDRESS, sidecar_address, strict_json
+from rlfeed.service.cli.serve import _resolve_ray_address
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        (None, None, None),  # an embedded local Ray
+        (None, "10.0.0.5:6379", "10.0.0.5:6379"),  # Ray's convention: join $RAY_ADDRESS
+        ("auto", "10.0.0.5:6379", "auto"),  # the flag wins
+        ("local", "10.0.0.5:6379", None),  # ... and `local` asks for the embedded one
+        (None, "  ", None),  # empty counts as unset
+    ],
+)
+def test_serve_joins_the_flag_then_ray_address_then_an_embedded_ray(
+    monkeypatch, flag, env, expected
+):
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    args = argparse.Namespace(ray_address=flag)
+    _resolve_ray_address(args)
+    assert args.ray_address == expected
+    assert args.ray_address_from_env == (flag is None and expected is not None)
+
+
+@pytest.mark.parametrize("command", ["status", "layout"])
+def test_client_commands_take_the_flag_then_rlfeed_address_then_the_default(monkeypatch, command):
+    extra = ["-o", "x.png"] if command == "layout" else []
+    monkeypatch.delenv("RLFEED_ADDRESS", raising=False)
+    assert build_parser().parse_args([command, *extra]).address == DEFAULT_ADDRESS
+    monkeypatch.setenv("RLFEED_ADDRESS", "sidecar.internal:7000")
+    assert build_parser().parse_args([command, *extra]).address == "sidecar.internal:7000"
+    flagged = build_parser().parse_args([command, *extra, "--address", "10.1.2.3:9"])
+    assert flagged.address == "10.1.2.3:9"
+
+
+def test_demo_starts_its_own_sidecar_unless_given_an_address(monkeypatch):
+    monkeypatch.delenv("RLFEED_ADDRESS", raising=False)
+    assert build_parser().parse_args(["demo"]).address is None
+    monkeypatch.setenv("RLFEED_ADDRESS", "")
+    assert build_parser().parse_args(["demo"]).address is None
+    monkeypatch.setenv("RLFEED_ADDRESS", "sidecar.internal:7000")
+    assert build_parser().parse_args(["demo"]).address == "sidecar.internal:7000"
+
+
+@pytest.mark.parametrize(
+    "good", ["127.0.0.1:50051", "sidecar.internal:7000", "[::1]:50051", "unix:/run/x.sock"]
+)
+def test_addresses_with_a_port_or_a_scheme_are_taken_as_given(good):
+    assert sidecar_address(good) == good
+
+
+@pytest.mark.parametrize("bad", ["localhost", ":50051", "host:", "host:http", "host:0", "h:70000"])
+def test_addresses_without_a_usable_port_are_refused(bad):
+    with pytest.raises(argparse.ArgumentTypeError, match="must be HOST:PORT"):
+        sidecar_address(bad)
+
+
+def test_strict_json_writes_non_finite_figures_as_null():
+    value = {"a": math.nan, "b": [1.5, math.inf, {"c": -math.inf}], "d": (2, "NaN")}
+    text = strict_json(value)
+
+    def refuse(token: str):
+        raise AssertionError(f"not JSON: {token}")
+
+    assert json.loads(text, parse_constant=refuse) == {
+        "a": None,
+        "b": [1.5, None, {"c": None}],
+        "d": [2, "NaN"],
+    }
