@@ -48,6 +48,7 @@ from typing import Any
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
 from rlfeed.client.transport import (
+    BufferFullError,
     InvalidRequestError,
     Outage,
     SidecarError,
@@ -205,8 +206,9 @@ class BatchLoader:
     def fetch(self, step: int) -> TrainStep:
         """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
         UNAVAILABLE answer (a front-end leaving or restarting) is asked again for up to
-        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`:
-        a fetch is idempotent, the answer byte-identical wherever it comes from."""
+        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`;
+        RESOURCE_EXHAUSTED (too many calls in flight there) is asked again until
+        `timeout_s`: a fetch is idempotent, the answer byte-identical wherever it comes from."""
         if self._retained_free_bytes:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
@@ -219,7 +221,9 @@ class BatchLoader:
             except SidecarError as exc:
                 if exc.code == "INVALID_ARGUMENT":
                     raise self._invalid_request(exc) from None
-                outage.failed(exc)  # re-raises anything else, and a lasting outage
+                busy = isinstance(exc, BufferFullError)  # its cap on waiting GetBatch calls
+                if not (busy and time.monotonic() < deadline):
+                    outage.failed(exc)  # re-raises anything else, and a lasting outage
                 if self._prefetcher is not None and self._prefetcher.stopping:
                     raise _Stopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
