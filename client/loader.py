@@ -36,6 +36,7 @@ have seen.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -292,21 +293,23 @@ class BatchLoader:
         step: int,
         *,
         loss: float,
-        ratio_outlier_share: float = float("nan"),
+        ratio_outlier_share: float | None = None,
         tokens_per_second: float = 0.0,
         step_seconds: float = 0.0,
     ) -> None:
-        """Send what this rank measured for `step` to the sidecar (becomes metrics)."""
-        self._transport.report(
-            pb.TrainerReport(
-                step=step,
-                rank=self.rank,
-                loss=float(loss),
-                ratio_outlier_share=float(ratio_outlier_share),
-                tokens_per_second=float(tokens_per_second),
-                step_seconds=float(step_seconds),
-            )
+        """Send what this rank measured for `step` to the sidecar (becomes metrics).
+        ratio_outlier_share None or NaN: not measured this step (sent unset). The sidecar
+        refuses other non-finite values (InvalidRequestError naming the field)."""
+        report = pb.TrainerReport(
+            step=step,
+            rank=self.rank,
+            loss=float(loss),
+            tokens_per_second=float(tokens_per_second),
+            step_seconds=float(step_seconds),
         )
+        if ratio_outlier_share is not None and not math.isnan(ratio_outlier_share):
+            report.ratio_outlier_share = float(ratio_outlier_share)
+        self._transport.report(report)
 
     def close(self) -> None:
         """Stop the prefetch thread and close an owned channel. Idempotent."""

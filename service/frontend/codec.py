@@ -373,7 +373,7 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
         group_size=config.rollouts.group_size,
         token_budget=config.batching.token_budget,
         last_reports=[
-            pb.TrainerReport(rank=rank, **report)
+            pb.TrainerReport(rank=rank, **{k: v for k, v in report.items() if v == v})  # NaN: unset
             for rank, report in sorted(snapshot.last_reports.items())
         ],
     )

@@ -57,9 +57,13 @@ _REPORT_RANGES = {
 def trainer_report_of(request: pb.TrainerReport) -> dict[str, float]:
     """The report's fields as the scheduler keeps them; ValueError naming the first
     field that is not finite or outside its range (a share in [0, 1], rates and
-    durations >= 0): metrics and status show what ranks report, never NaN or nonsense."""
+    durations >= 0): metrics and status show what ranks report, never NaN or nonsense.
+    An unset ratio_outlier_share (not measured) is kept as NaN, which status leaves unset."""
     report: dict[str, float] = {"step": int(request.step)}
     for name, (low, high) in _REPORT_RANGES.items():
+        if name == "ratio_outlier_share" and not request.HasField(name):
+            report[name] = math.nan  # not measured: NaN inside (metrics leave the gauge)
+            continue
         value = getattr(request, name)
         if not math.isfinite(value):
             problem = "is not finite"
