@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rlfeed.client.transport import GrpcTransport as GrpcTransport
     from rlfeed.client.transport import InvalidRequestError as InvalidRequestError
     from rlfeed.client.transport import InvalidRolloutsError as InvalidRolloutsError
+    from rlfeed.client.transport import MessageTooLargeError as MessageTooLargeError
     from rlfeed.client.transport import SidecarError as SidecarError
     from rlfeed.client.transport import SidecarUnreachableError as SidecarUnreachableError
     from rlfeed.client.transport import StepReleasedError as StepReleasedError
@@ -72,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "RolloutWriter": "producer",
     "AuthenticationError": "transport",
     "BufferFullError": "transport",
+    "MessageTooLargeError": "transport",
     "GrpcTransport": "transport",
     "InvalidRequestError": "transport",
     "InvalidRolloutsError": "transport",

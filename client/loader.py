@@ -36,6 +36,7 @@ have seen.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -48,6 +49,7 @@ from typing import Any
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
 from rlfeed.client.transport import (
+    BufferFullError,
     InvalidRequestError,
     Outage,
     SidecarError,
@@ -205,8 +207,9 @@ class BatchLoader:
     def fetch(self, step: int) -> TrainStep:
         """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
         UNAVAILABLE answer (a front-end leaving or restarting) is asked again for up to
-        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`:
-        a fetch is idempotent, the answer byte-identical wherever it comes from."""
+        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`;
+        RESOURCE_EXHAUSTED (too many calls in flight there) is asked again until
+        `timeout_s`: a fetch is idempotent, the answer byte-identical wherever it comes from."""
         if self._retained_free_bytes:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
@@ -219,7 +222,9 @@ class BatchLoader:
             except SidecarError as exc:
                 if exc.code == "INVALID_ARGUMENT":
                     raise self._invalid_request(exc) from None
-                outage.failed(exc)  # re-raises anything else, and a lasting outage
+                busy = isinstance(exc, BufferFullError)  # its cap on waiting GetBatch calls
+                if not (busy and time.monotonic() < deadline):
+                    outage.failed(exc)  # re-raises anything else, and a lasting outage
                 if self._prefetcher is not None and self._prefetcher.stopping:
                     raise _Stopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
@@ -288,21 +293,23 @@ class BatchLoader:
         step: int,
         *,
         loss: float,
-        ratio_outlier_share: float = float("nan"),
+        ratio_outlier_share: float | None = None,
         tokens_per_second: float = 0.0,
         step_seconds: float = 0.0,
     ) -> None:
-        """Send what this rank measured for `step` to the sidecar (becomes metrics)."""
-        self._transport.report(
-            pb.TrainerReport(
-                step=step,
-                rank=self.rank,
-                loss=float(loss),
-                ratio_outlier_share=float(ratio_outlier_share),
-                tokens_per_second=float(tokens_per_second),
-                step_seconds=float(step_seconds),
-            )
+        """Send what this rank measured for `step` to the sidecar (becomes metrics).
+        ratio_outlier_share None or NaN: not measured this step (sent unset). The sidecar
+        refuses other non-finite values (InvalidRequestError naming the field)."""
+        report = pb.TrainerReport(
+            step=step,
+            rank=self.rank,
+            loss=float(loss),
+            tokens_per_second=float(tokens_per_second),
+            step_seconds=float(step_seconds),
         )
+        if ratio_outlier_share is not None and not math.isnan(ratio_outlier_share):
+            report.ratio_outlier_share = float(ratio_outlier_share)
+        self._transport.report(report)
 
     def close(self) -> None:
         """Stop the prefetch thread and close an owned channel. Idempotent."""

@@ -13,7 +13,9 @@ threads keep batches in flight together. The writer holds at most
 in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch with
 backoff; the writer's buffer then fills, and `write()` blocks (`on_full="block"`) or raises
 `BufferFullError` (`on_full="raise"`): backpressure reaches the producer instead of memory
-growing without bound.
+growing without bound. A batch over the sidecar's message size limit is not retried: its
+`MessageTooLargeError` names the limit (`[server] max_message_bytes`) and the batch's
+rollout ids, and is raised the same way as a rejection.
 
 A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
 it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,

@@ -9,7 +9,9 @@ without a server.
 Errors are the same for both: `InvalidRolloutsError` (the server's INVALID_ARGUMENT to a
 rollout batch, with its message), `InvalidRequestError` (INVALID_ARGUMENT to any other
 call, e.g. a trainer's rank; `WorldSizeMismatchError` when the loader's world size is not
-the sidecar's), `BufferFullError` (RESOURCE_EXHAUSTED: retry later), `StepReleasedError`
+the sidecar's), `BufferFullError` (RESOURCE_EXHAUSTED: the buffer is full or too many
+calls are in flight, retry later), `MessageTooLargeError` (RESOURCE_EXHAUSTED from gRPC's
+message size limit: never retried, the same bytes would be refused again), `StepReleasedError`
 (NOT_FOUND: the step is no longer retained), `AuthenticationError` (UNAUTHENTICATED or
 PERMISSION_DENIED: the token or certificate was refused), `SidecarError` for anything
 else. A transport raises UNAVAILABLE as a plain `SidecarError`, at once; the clients
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -104,6 +107,27 @@ class BufferFullError(SidecarError):
 
     def __init__(self, message: str) -> None:
         super().__init__("RESOURCE_EXHAUSTED", message)
+
+
+class MessageTooLargeError(SidecarError, ValueError):
+    """A message over the sidecar's size limit (`[server] max_message_bytes`), refused by
+    gRPC before any handler saw it; `size` and `limit` in bytes (0 where gRPC did not say,
+    e.g. for a compressed message). Not retried: the same bytes would be refused again."""
+
+    def __init__(self, details: str, size: int = 0, limit: int = 0) -> None:
+        over = f"is {size:,} bytes, over the {limit:,} bytes" if limit else "is over the size"
+        super().__init__(
+            "RESOURCE_EXHAUSTED",
+            f"the message {over} the sidecar accepts ([server] max_message_bytes): "
+            f"send smaller batches (RolloutWriter max_batch_bytes / max_batch_rollouts) or "
+            f"raise the limit ({details})",
+        )
+        self.size = size
+        self.limit = limit
+
+
+# gRPC core's words for a message over max_receive_message_length (after inflating).
+_TOO_LARGE = re.compile(r"message larger than max(?: \((\d+) vs\. (\d+)\))?")
 
 
 class StepReleasedError(SidecarError, LookupError):
@@ -255,6 +279,10 @@ def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarEr
     if code == "INVALID_ARGUMENT":
         return InvalidRolloutsError(message) if ingest else InvalidRequestError(message)
     if code == "RESOURCE_EXHAUSTED":
+        too_large = _TOO_LARGE.search(message)
+        if too_large is not None:
+            size, limit = (int(group or 0) for group in too_large.groups())
+            return MessageTooLargeError(message, size, limit)
         return BufferFullError(message)
     if code == "NOT_FOUND":
         return StepReleasedError(message)

@@ -340,8 +340,9 @@ class BatchServingServicer:
     def GetBatch(self, request, context):
         """Rank `rank`'s microbatches of step `step`, in the order the rank must run them.
         Steps are numbered 0, 1, 2, ... in assembly order. If the step is not assembled yet the
-        server waits up to `timeout_ms` (bounded by the call's deadline) and then answers OK
-        with ready = false and nothing else set: poll again. When ready = true, asking again
+        server waits up to `timeout_ms` (bounded by the call's deadline and the sidecar's
+        max_wait_seconds) and then answers OK with ready = false, `step` and `rank` echoed, and
+        nothing else set: poll again. When ready = true, asking again
         for the same (step, rank) returns byte-identical response bytes (trainer restarts).
         A step released from memory answers NOT_FOUND; rank outside [0, world_size) answers
         INVALID_ARGUMENT.

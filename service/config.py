@@ -1,11 +1,13 @@
 """The sidecar's configuration: a TOML file mapped onto frozen dataclasses.
 
-One section per concern (`[server]`, `[ray]`, `[batching]`, `[rollouts]`, `[advantages]`,
-`[curriculum]`, `[accounting]`, `[security]`, `[journal]`); every field carries its meaning,
-unit and default in its `doc` metadata, which is also what `dump_config(..., with_docs=True)`
-prints (the shipped `deploy/rlfeed.example.toml` is exactly that output). Unknown keys, at
-any level, are an error naming the key and its section; values are type-checked (an int where
-a float is expected is fine, a bool where an int is expected is not).
+One section per concern (`[server]` in `server_config.py`, `[security]` in
+`security/config.py`, `[journal]` in `journal/config.py`, `[ray]`, `[batching]`,
+`[rollouts]`, `[advantages]`, `[curriculum]`, `[accounting]`); every field carries its
+meaning, unit and default in its `doc` metadata, which is also what
+`dump_config(..., with_docs=True)` prints (the shipped `deploy/rlfeed.example.toml` is exactly
+that output). Unknown keys, at any level, are an error naming the key and its section; values
+are type-checked (an int where a float is expected is fine, a bool where an int is expected
+is not).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfeed.client.allocator import MAX_RETAINED_BYTES
 from rlfeed.sched.models import GPUS, MODELS
 from rlfeed.sched.throughput import EpisodeShape
 from rlfeed.service.journal.config import JournalConfig
 from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.server_config import ServerConfig
 
 try:
     import tomllib
@@ -29,7 +31,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-_MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits mallopt's int
 FROM_MODEL = -1.0  # [batching] attention_weight: derive it from [accounting] model
 
 
@@ -42,61 +43,6 @@ def documented(default: Any, doc: str) -> Any:
 def _require(condition: bool, section: str, name: str, message: str) -> None:
     if not condition:
         raise ValueError(f"[{section}] {name}: {message}")
-
-
-@dataclass(kw_only=True, frozen=True)
-class ServerConfig:
-    """Where the gRPC front-end listens and how much it accepts."""
-
-    host: str = documented("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
-    port: int = documented(50051, "gRPC port; 0 picks a free port (printed at start-up)")
-    metrics_port: int = documented(
-        0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint"
-    )
-    metrics_host: str = documented(
-        "127.0.0.1",
-        "interface the metrics port binds, separate from host so it stays on loopback when "
-        "gRPC serves other machines; 0.0.0.0 for a remote Prometheus",
-    )
-    max_message_bytes: int = documented(
-        512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
-    )
-    max_workers: int = documented(
-        64, "gRPC handler threads; each open SubmitRollouts stream and waiting GetBatch holds one"
-    )
-    max_wait_seconds: float = documented(
-        60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
-    )
-    replicas: int = documented(
-        1,
-        "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
-        "scheduler actor: ingest and serving use that many interpreters' worth of cores",
-    )
-    retained_free_mib: int = documented(
-        1024,
-        "MiB of free memory a heap of the front-end's process may hold at its top before "
-        "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
-        "from the heap, and all threads share one heap): the same large buffers are "
-        "allocated every step, and each fresh page costs a fault; at most "
-        f"{_MAX_RETAINED_MIB}; 0 = glibc's defaults",
-    )
-
-    def __post_init__(self) -> None:
-        _require(
-            0 <= self.port < 65536, "server", "port", f"must be in [0, 65535], got {self.port}"
-        )
-        _require(self.replicas >= 1, "server", "replicas", "must be >= 1")
-        _require(0 <= self.metrics_port < 65536, "server", "metrics_port", "must be in [0, 65535]")
-        _require(bool(self.metrics_host), "server", "metrics_host", "must not be empty")
-        _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
-        _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
-        _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
-        _require(
-            0 <= self.retained_free_mib <= _MAX_RETAINED_MIB,
-            "server",
-            "retained_free_mib",
-            f"must be in [0, {_MAX_RETAINED_MIB}]",
-        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -25,7 +25,7 @@ from rlfeed.service.errors import BackpressureError, InvalidBatchError
 from rlfeed.service.frontend.codec import status_to_proto
 from rlfeed.service.frontend.ingest import ack_of, batch_meta, decode_batch, validate_batch
 from rlfeed.service.frontend.materialize import materialize_work
-from rlfeed.service.frontend.serving import trainer_report_of
+from rlfeed.service.frontend.requests import check_task_ids, trainer_report_of
 from rlfeed.service.scheduler.state import Scheduler
 
 
@@ -70,6 +70,7 @@ class InProcessTransport:
     def register_tasks(self, task_ids: list[str]) -> pb.RegisterTasksResponse:
         with self._cond:
             try:
+                check_task_ids(task_ids, self.config.server)
                 added, total = self._scheduler.register_tasks(list(task_ids))
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
@@ -110,7 +111,10 @@ class InProcessTransport:
 
     def report(self, report: pb.TrainerReport) -> None:
         with self._cond:
-            self._scheduler.record_report(report.rank, trainer_report_of(report))
+            try:
+                self._scheduler.record_report(report.rank, trainer_report_of(report))
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
 
     def status(self) -> pb.StatusResponse:
         with self._cond:

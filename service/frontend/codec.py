@@ -20,6 +20,7 @@ from rlfeed import __version__
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
 from rlfeed.proto.ipc_framing import ipc_stream_pieces
+from rlfeed.proto.ipc_messages import check_one_plain_stream
 from rlfeed.proto.wire import length_delimited, split_field
 from rlfeed.sched.assembly import Microbatch, TokenColumns
 
@@ -160,7 +161,7 @@ def _list(
     if values.type != arrow_type:
         try:
             values = values.cast(arrow_type)  # safe cast: overflow raises
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        except pa.ArrowException as exc:
             raise ValueError(
                 f"arrow_ipc: column {name!r} values must be {arrow_type}, got {values.type} ({exc})"
             ) from exc
@@ -192,16 +193,27 @@ def parse_rollout_batch(data: bytes) -> RolloutBatchView:
 
 
 def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
-    """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed payload,
-    a missing column, a wrong type or a null."""
+    """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed payload
+    (anything pyarrow raises on it included), a payload that is not exactly one
+    uncompressed stream (`ipc_messages`), a missing column, a wrong type or a null."""
+    check_one_plain_stream(payload)  # before pyarrow reads (or inflates) anything
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(payload))
         table = reader.read_all()
         # Full validation (offsets monotonic and in range, UTF-8) before any buffer is read:
         # a crafted payload must be an INVALID_ARGUMENT, never an out-of-bounds read.
         table.validate(full=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
+        # ArrowException: every pyarrow error, e.g. ArrowNotImplementedError for an
+        # integer of 4, 12 or 128 bits declared in the schema.
         raise ValueError(f"arrow_ipc: not a readable Arrow IPC stream ({exc})") from exc
+    try:
+        return _batch_arrays(table)
+    except pa.ArrowException as exc:  # a column pyarrow cannot convert
+        raise ValueError(f"arrow_ipc: unreadable column ({type(exc).__name__}: {exc})") from exc
+
+
+def _batch_arrays(table: pa.Table) -> RolloutBatchArrays:
     duplicated = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
     if duplicated:
         raise ValueError(f"arrow_ipc: column(s) {duplicated} appear more than once")
@@ -361,7 +373,7 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
         group_size=config.rollouts.group_size,
         token_budget=config.batching.token_budget,
         last_reports=[
-            pb.TrainerReport(rank=rank, **report)
+            pb.TrainerReport(rank=rank, **{k: v for k, v in report.items() if v == v})  # NaN: unset
             for rank, report in sorted(snapshot.last_reports.items())
         ],
     )

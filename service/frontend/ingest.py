@@ -23,6 +23,7 @@ from rlfeed.service.frontend.codec import (
     decode_rollout_batch,
 )
 from rlfeed.service.frontend.journaling import KIND_BATCH
+from rlfeed.service.frontend.requests import check_task_ids
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
 from rlfeed.service.frontend.validation import validate_rollout_batch
 from rlfeed.service.scheduler.client import IngestGroups
@@ -48,7 +49,11 @@ def validate_batch(arrays: RolloutBatchArrays, config: SidecarConfig) -> None:
     """InvalidBatchError (with its reason) for what the contract refuses before the
     scheduler sees the batch."""
     validate_rollout_batch(
-        arrays, token_budget=config.batching.token_budget, vocab_size=config.rollouts.vocab_size
+        arrays,
+        token_budget=config.batching.token_budget,
+        vocab_size=config.rollouts.vocab_size,
+        max_rollouts=config.server.max_ids_per_call,
+        max_id_bytes=config.server.max_id_bytes,
     )
 
 
@@ -148,6 +153,10 @@ class RolloutIngest:
 
     @unavailable_when_ray_fails
     def RegisterTasks(self, request: pb.RegisterTasksRequest, context):
+        try:
+            check_task_ids(request.task_ids, self.frontend.config.server)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         result = self.frontend.scheduler.register_tasks(list(request.task_ids))
         if isinstance(result, Refused):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
@@ -157,8 +166,7 @@ class RolloutIngest:
     @unavailable_when_ray_fails
     def SampleTasks(self, request: pb.SampleTasksRequest, context):
         result = self.frontend.scheduler.sample_tasks(int(request.n))
-        requested = int(request.n) or self.frontend.config.rollouts.prompts_per_step
-        self.frontend.events.on_task_sample(requested=requested, result=result)
+        self.frontend.events.on_task_sample(requested=result.requested, result=result)
         return pb.SampleTasksResponse(
             task_ids=result.task_ids, revisit=result.revisit, pass_rate=result.pass_rate
         )

@@ -3,7 +3,8 @@
 `start_server(config)` brings up (or joins) Ray and the scheduler actor, the front-end's
 parts (`FrontendState`, `StepAssembler`, `RolloutIngest`, `BatchServing`, `PeerQueries`)
 and a threaded `grpc.server` with the four rlfeed.v1 services, health and (if allowed)
-reflection, behind `[security]` (TLS, mTLS, role tokens: `service/security/README.md`).
+reflection, behind `[security]` (TLS, mTLS, role tokens: `service/security/README.md`)
+and the `[server]` limits on what a call may hold (`call_guard.CallGuard`).
 `SidecarServer.stop()` is the one teardown. How the parts cooperate: `README.md` here.
 """
 
@@ -27,6 +28,7 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.assembler import StepAssembler
+from rlfeed.service.frontend.call_guard import CallGuard
 from rlfeed.service.frontend.codec import parse_rollout_batch
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.ingest import RolloutIngest
@@ -98,6 +100,7 @@ class SidecarServer:
     assembler: StepAssembler
     peer_queries: PeerQueries
     security: ServerSecurity
+    guard: CallGuard
     health: health.HealthServicer
     actor: ray.actor.ActorHandle
     started_ray: bool
@@ -128,6 +131,7 @@ class SidecarServer:
             self.frontend.signals.stop()  # answers waiting GetBatch calls now
             self.assembler.stop()
             self.server.stop(grace).wait(grace + 1.0)
+            self.guard.stop()
             if not self.owns_actor:  # the sidecar runs on with what this replica holds
                 try:
                     hand_over(self.frontend, self.assembler)
@@ -226,17 +230,15 @@ def _grpc_server(
     name: str,
     interceptors: list[grpc.ServerInterceptor],
     *options: tuple[str, int],
+    maximum_concurrent_rpcs: int | None = None,
 ) -> grpc.Server:
-    """A threaded gRPC server with the sidecar's message size limit both ways."""
-    limit = config.server.max_message_bytes
+    """A threaded gRPC server with the `[server]` channel arguments (message size limit
+    both ways, keepalive, idle and aged connections, handshake timeout)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix=name),
         interceptors=interceptors,
-        options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            *options,
-        ],
+        options=[*config.server.grpc_options(), *options],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
 
 
@@ -312,6 +314,7 @@ def start_server(
     security = ServerSecurity.from_config(config.security)
     if not join:
         check_port_free(config.server.host, config.server.port)
+    guard = CallGuard(config.server)
     started_ray = _connect_ray(config, ray_address)
     actor = server = peer_server = journal = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
@@ -332,7 +335,11 @@ def start_server(
         )
         # A busy port is an error, not a shared socket, unless replicas share it.
         server = _grpc_server(
-            config, "rlfeed-grpc", security.interceptors, ("grpc.so_reuseport", int(replicated))
+            config,
+            "rlfeed-grpc",
+            [*security.interceptors, guard],  # who may call first, then what a call may cost
+            ("grpc.so_reuseport", int(replicated)),
+            maximum_concurrent_rpcs=config.server.max_pending_calls,
         )
         pb_grpc.add_TaskSamplingServicer_to_server(ingest, server)
         pb_grpc.add_SidecarStatusServicer_to_server(serving, server)
@@ -355,11 +362,13 @@ def start_server(
         frontend.scheduler.register(peer_address, slot if journal is not None else "")
         if journal is not None:
             _take_over_slot(frontend, assembler)
+        guard.start()
         server.start()
         _log.info("rlfeed: %s serves %s", target, security.describe())
         assembler.start()
         _set_serving(health_servicer, True)
     except BaseException:
+        guard.stop()
         if server is not None:
             server.stop(0)
         if peer_server is not None:
@@ -379,6 +388,7 @@ def start_server(
         assembler=assembler,
         peer_queries=queries,
         security=security,
+        guard=guard,
         health=health_servicer,
         actor=actor,
         started_ray=started_ray,

@@ -13,22 +13,13 @@ import grpc
 import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.frontend.codec import status_to_proto
+from rlfeed.service.frontend.requests import trainer_report_of
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
 from rlfeed.service.scheduler.records import Fetch, FetchKind, FetchNote, HeldBy, StoredObject
 
 # A waiting GetBatch re-asks the actor this often even without a local "step stored"
 # signal (a step this front-end did not store; with replicas, another front-end's).
 POLL_SECONDS = 0.25
-
-
-def trainer_report_of(request: pb.TrainerReport) -> dict[str, float]:
-    return {
-        "step": int(request.step),
-        "loss": request.loss,
-        "ratio_outlier_share": request.ratio_outlier_share,
-        "tokens_per_second": request.tokens_per_second,
-        "step_seconds": request.step_seconds,
-    }
 
 
 class BatchServing:
@@ -165,7 +156,10 @@ class BatchServing:
 
     @unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
-        report = trainer_report_of(request)
+        try:
+            report = trainer_report_of(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         refused = self.frontend.scheduler.record_report(int(request.rank), report)
         if refused is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused.message)

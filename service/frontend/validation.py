@@ -15,10 +15,29 @@ from __future__ import annotations
 import numpy as np
 from rlfeed.service.errors import InvalidBatchError, RejectReason, rollout_error
 from rlfeed.service.frontend.codec import RolloutBatchArrays
+from rlfeed.service.frontend.requests import first_long_id
+from rlfeed.service.server_config import DEFAULT_MAX_ID_BYTES, DEFAULT_MAX_IDS_PER_CALL
 
 
 def _rollout_of_token(offsets: np.ndarray, position: int) -> int:
     return int(np.searchsorted(offsets, position, side="right") - 1)
+
+
+def _check_id_caps(batch: RolloutBatchArrays, max_rollouts: int, max_id_bytes: int) -> None:
+    if len(batch) > max_rollouts:
+        raise InvalidBatchError(
+            f"arrow_ipc: {len(batch)} rollouts in one batch; at most {max_rollouts} "
+            "([server] max_ids_per_call)",
+            reason=RejectReason.MALFORMED,
+        )
+    for field in ("rollout_ids", "task_ids", "group_ids"):
+        row = first_long_id(getattr(batch, field), max_id_bytes)
+        if row is not None:
+            raise InvalidBatchError(
+                f"row {row}: field {field[:-1]}: longer than {max_id_bytes} bytes "
+                "([server] max_id_bytes)",
+                reason=RejectReason.MALFORMED,
+            )
 
 
 def _check_ids(batch: RolloutBatchArrays) -> None:
@@ -167,6 +186,8 @@ def validate_rollout_batch(
     *,
     token_budget: int,
     vocab_size: int = 0,
+    max_rollouts: int = DEFAULT_MAX_IDS_PER_CALL,
+    max_id_bytes: int = DEFAULT_MAX_ID_BYTES,
 ) -> None:
     """Raise InvalidBatchError for the first broken rule, else return None.
 
@@ -174,8 +195,11 @@ def validate_rollout_batch(
     action_mask and sampler_logprobs of equal length 1..token_budget; policy_version >= 0;
     finite rewards and
     log-probs; 0 <= token id < vocab_size (vocab_size 0: only >= 0); action mask values 0/1
-    with action_mask[0] == 0. Whether each task is registered is the scheduler's check.
+    with action_mask[0] == 0; at most `max_rollouts` rollouts and ids of at most
+    `max_id_bytes` UTF-8 bytes (`[server]` max_ids_per_call, max_id_bytes). Whether each
+    task is registered is the scheduler's check.
     """
+    _check_id_caps(batch, max_rollouts, max_id_bytes)
     _check_ids(batch)
     _check_lengths(batch, token_budget)
     _check_versions(batch)

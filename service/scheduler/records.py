@@ -256,6 +256,7 @@ class SampleResult:
     task_ids: list[str]
     revisit: list[bool]
     pass_rate: list[float]
+    requested: int = 0  # n as counted: the run's default for 0, at most the pool's size
 
 
 @dataclass(frozen=True)

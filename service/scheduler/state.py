@@ -116,22 +116,30 @@ class Scheduler:
     # ---- tasks ----------------------------------------------------------------------
 
     def register_tasks(self, task_ids: list[str]) -> tuple[int, int]:
-        """Add unknown task ids to the pool; returns (added, total)."""
-        added = 0
-        for task_id in task_ids:
-            if not task_id:
-                raise ValueError("task_ids: empty task id")
-            if task_id not in self._task_index:
-                self._task_index[task_id] = len(self._task_ids)
-                self._task_ids.append(task_id)
-                added += 1
-        if added:
+        """Add unknown task ids to the pool; returns (added, total). All or nothing:
+        ValueError for an empty id or a pool that would outgrow `[server] max_tasks`."""
+        if not all(task_ids):
+            raise ValueError("task_ids: empty task id")
+        new = [task_id for task_id in dict.fromkeys(task_ids) if task_id not in self._task_index]
+        max_tasks = self.config.server.max_tasks
+        if len(self._task_ids) + len(new) > max_tasks:
+            raise ValueError(
+                f"task_ids: {len(new)} new tasks would grow the pool of {len(self._task_ids)} "
+                f"beyond [server] max_tasks = {max_tasks}"
+            )
+        for task_id in new:
+            self._task_index[task_id] = len(self._task_ids)
+            self._task_ids.append(task_id)
+        if new:
             self._pass_rates = grow(self._pass_rates, len(self._task_ids))
-        return added, len(self._task_ids)
+        return len(new), len(self._task_ids)
 
     def sample_tasks(self, n: int) -> SampleResult:
-        """Tasks to roll out next (curriculum.select_tasks); n = 0 means prompts_per_step."""
-        n = n or self.config.rollouts.prompts_per_step
+        """Tasks to roll out next (curriculum.select_tasks); n = 0 means prompts_per_step.
+        n is counted as requested only up to the pool's size: tasks that do not exist are
+        not rollouts the filter saved (one call asking for 2**32 - 1 would otherwise
+        poison the cumulative counters for the rest of the run)."""
+        n = min(n or self.config.rollouts.prompts_per_step, len(self._task_ids))
         chosen = select_tasks(self._pass_rates, n, self._curriculum, self._rng)
         inside = inside_filter(self._pass_rates, self._curriculum)[chosen]
         self.counters.tasks_requested += n
@@ -141,6 +149,7 @@ class Scheduler:
             task_ids=[self._task_ids[i] for i in chosen.tolist()],
             revisit=(~inside).tolist(),
             pass_rate=self._pass_rates.estimate[chosen].tolist(),
+            requested=n,
         )
 
     # ---- ingest ---------------------------------------------------------------------

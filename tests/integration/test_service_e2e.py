@@ -590,7 +590,7 @@ def test_concurrent_producers_get_every_step_materialized_once_and_served(
     sidecar = make_sidecar(
         rollouts={"prompts_per_step": 1, "group_size": 2, "max_buffered_rollouts": 100_000},
         batching={"world_size": 1, "token_budget": 4096},
-        server={"max_workers": 16},
+        server={"max_workers": 20, "max_unary_calls": 12, "max_streams": 2, "max_long_polls": 2},
         events=lambda config: seen,
     )
     groups, producers = 240, 12

@@ -1,0 +1,293 @@
+"""What a call may cost before its handler runs: slots, time waiting for requests, and
+requests that are not protobuf.
+
+`CallGuard` is the public server's last interceptor (after `[security]`'s). Every call but
+the health service's is wrapped so that, on its handler thread and before a byte of the
+request is read:
+
+- it takes a slot of its kind (`CallKind`: an open SubmitRollouts stream, a GetBatch long
+  poll, another unary call, GetStatus) in all and for its client address, or answers
+  RESOURCE_EXHAUSTED at once naming the `[server]` cap. An idle stream or a stalled long
+  poll thus holds one slot of a bounded kind, and the handler threads the caps leave free
+  always serve GetStatus and health (`server_config.py`);
+- each wait for a request message is timed: past `request_idle_timeout_s` the call is
+  cancelled (`IdleWatch`), so a stream that sends nothing or a unary call whose message
+  never comes gives its slot and thread back;
+- a request that does not deserialize answers INVALID_ARGUMENT naming the method (gRPC
+  itself answers INTERNAL, and logs a traceback per call).
+
+Unary-request methods are served as stream-request ones (one message read by the
+wrapper): gRPC reads a unary request before its handler runs, which would put the read
+outside the slot and the timer. The wire is the same either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import grpc
+from rlfeed.service.security.interceptor import HEALTH_PREFIX
+from rlfeed.service.server_config import STATUS_SLOTS, ServerConfig
+
+_log = logging.getLogger(__name__)
+
+
+class CallKind(str, Enum):
+    """What a call holds while it runs, and the `[server]` cap on how many may."""
+
+    STREAM = "max_streams"  # a SubmitRollouts stream, open as long as the producer likes
+    LONG_POLL = "max_long_polls"  # a GetBatch, waiting up to max_wait_seconds
+    UNARY = "max_unary_calls"  # any other rlfeed.v1 call
+    STATUS = "status"  # GetStatus: STATUS_SLOTS of its own, no per-client count
+
+
+_KIND_OF_METHOD = {
+    "/rlfeed.v1.RolloutIngest/SubmitRollouts": CallKind.STREAM,
+    "/rlfeed.v1.BatchServing/GetBatch": CallKind.LONG_POLL,
+    "/rlfeed.v1.SidecarStatus/GetStatus": CallKind.STATUS,
+}
+
+
+def client_address(peer: str) -> str:
+    """The client part of `context.peer()`: "ipv4:10.0.0.7:50123" -> "ipv4:10.0.0.7",
+    "ipv6:[::1]:5" -> "ipv6:[::1]"; other forms (unix sockets) as they are."""
+    family, _, rest = peer.partition(":")
+    if family in ("ipv4", "ipv6"):
+        host, separator, port = rest.rpartition(":")
+        if separator and port.isdigit():
+            return f"{family}:{host}"
+    return peer
+
+
+class CallLimits:
+    """Calls in flight per kind and per client address, against their caps."""
+
+    def __init__(self, caps: dict[CallKind, int], per_client: int) -> None:
+        self._caps = caps
+        self._per_client = per_client
+        self._lock = threading.Lock()
+        self._by_kind: Counter[CallKind] = Counter()
+        self._by_client: Counter[str] = Counter()
+        self.refused = 0  # calls answered RESOURCE_EXHAUSTED by a cap
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> CallLimits:
+        caps = {kind: getattr(config, kind.value) for kind in CallKind if kind != CallKind.STATUS}
+        return cls({**caps, CallKind.STATUS: STATUS_SLOTS}, config.max_calls_per_client)
+
+    def acquire(self, kind: CallKind, client: str) -> str | None:
+        """Take a slot; the refusal's reason (nothing taken) when a cap is reached."""
+        counted = kind != CallKind.STATUS and self._per_client > 0
+        with self._lock:
+            if self._by_kind[kind] >= self._caps[kind]:
+                self.refused += 1
+                name = "GetStatus calls" if kind == CallKind.STATUS else f"[server] {kind.value}"
+                return f"{self._caps[kind]} calls of this kind are in flight ({name}); retry later"
+            if counted and self._by_client[client] >= self._per_client:
+                self.refused += 1
+                return (
+                    f"client {client} has {self._per_client} calls in flight "
+                    "([server] max_calls_per_client); retry later"
+                )
+            self._by_kind[kind] += 1
+            if counted:
+                self._by_client[client] += 1
+        return None
+
+    def release(self, kind: CallKind, client: str) -> None:
+        with self._lock:
+            self._by_kind[kind] -= 1
+            if kind != CallKind.STATUS and self._per_client > 0:
+                self._by_client[client] -= 1
+                if not self._by_client[client]:
+                    del self._by_client[client]
+
+    def in_flight(self) -> dict[CallKind, int]:
+        with self._lock:
+            return {kind: count for kind, count in self._by_kind.items() if count}
+
+
+class IdleWatch:
+    """Cancels calls that wait longer than `timeout_s` for a request message (0 = never).
+    One thread checks the waiting calls a few times per timeout."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.cancelled = 0
+        self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.timeout_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rlfeed-idle-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @contextlib.contextmanager
+    def waiting(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """The call of `context` waits for a request message inside this block."""
+        if self.timeout_s <= 0:
+            yield
+            return
+        key = id(context)
+        with self._lock:
+            self._waiting[key] = (time.monotonic() + self.timeout_s, context)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                expired = [key for key, (deadline, _) in self._waiting.items() if deadline <= now]
+                contexts = [self._waiting.pop(key)[1] for key in expired]
+            for context in contexts:
+                self.cancelled += 1
+                _log.debug("rlfeed: cancelled a call idle for %.0f s", self.timeout_s)
+                context.cancel()  # the handler's read ends; its slot and thread are freed
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a lenient deserializer returns for bytes that are not the request message."""
+
+    reason: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # any failure of any deserializer: the caller's bytes
+            return Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    return deserialize
+
+
+class _GuardedCall:
+    """One admitted call: its request reads, timed and checked."""
+
+    def __init__(self, idle: IdleWatch, context: grpc.ServicerContext, method: str) -> None:
+        self._idle = idle
+        self._context = context
+        self._method = method
+
+    def next_request(self, iterator: Iterator[Any]) -> Any:
+        """The next request message; StopIteration at the end of the stream."""
+        with self._idle.waiting(self._context):
+            request = next(iterator)
+        if isinstance(request, Undecodable):
+            self._context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self._method}: the request is not a valid message of this method "
+                f"({request.reason})",
+            )
+        return request
+
+    def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            try:
+                request = self.next_request(iterator)
+            except StopIteration:
+                return
+            yield request
+
+    def only_request(self, iterator: Iterator[Any]) -> Any:
+        try:
+            return self.next_request(iterator)
+        except StopIteration:
+            self._context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self._method} takes one request message and none arrived (or the call "
+                "waited longer than [server] request_idle_timeout_s for it)",
+            )
+
+
+class CallGuard(grpc.ServerInterceptor):
+    """The interceptor of the module docstring; `start()` / `stop()` its idle watch."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.limits = CallLimits.of(config)
+        self.idle = IdleWatch(config.request_idle_timeout_s)
+
+    def start(self) -> None:
+        self.idle.start()
+
+    def stop(self) -> None:
+        self.idle.stop()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        default = CallKind.STREAM if handler.request_streaming else CallKind.UNARY
+        return self._guarded(handler, method, _KIND_OF_METHOD.get(method, default))
+
+    def _guarded(
+        self, handler: grpc.RpcMethodHandler, method: str, kind: CallKind
+    ) -> grpc.RpcMethodHandler:
+        streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+        inner = {
+            (False, False): handler.unary_unary,
+            (False, True): handler.unary_stream,
+            (True, False): handler.stream_unary,
+            (True, True): handler.stream_stream,
+        }[(streaming_in, streaming_out)]
+
+        def requests(call: _GuardedCall, iterator: Iterator[Any]) -> Any:
+            return call.requests(iterator) if streaming_in else call.only_request(iterator)
+
+        if streaming_out:
+
+            def behavior(request_iterator, context):
+                with self._admitted(kind, method, context) as call:
+                    yield from inner(requests(call, request_iterator), context)
+
+            make = grpc.stream_stream_rpc_method_handler
+        else:
+
+            def behavior(request_iterator, context):
+                with self._admitted(kind, method, context) as call:
+                    return inner(requests(call, request_iterator), context)
+
+            make = grpc.stream_unary_rpc_method_handler
+        return make(
+            behavior,
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    @contextlib.contextmanager
+    def _admitted(
+        self, kind: CallKind, method: str, context: grpc.ServicerContext
+    ) -> Iterator[_GuardedCall]:
+        client = client_address(context.peer())
+        refusal = self.limits.acquire(kind, client)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+        try:
+            yield _GuardedCall(self.idle, context, method)
+        finally:
+            self.limits.release(kind, client)

@@ -1,0 +1,227 @@
+"""`[server]`: where the gRPC front-end listens and what it spends on whom.
+
+Besides the address and sizes, this section holds the limits that keep hostile or broken
+clients from starving the rest (`frontend/call_guard.py` enforces them):
+
+- **Calls in flight**, by kind: open `SubmitRollouts` streams, `GetBatch` long polls and
+  the other unary calls, each capped in all (`max_streams`, `max_long_polls`,
+  `max_unary_calls`) and per client address (`max_calls_per_client`). Each admitted call
+  holds one of `max_workers` handler threads; the caps leave threads over for `GetStatus`
+  (slots of its own) and the health service (never limited), so neither ever starves.
+  A call over a cap answers RESOURCE_EXHAUSTED at once, naming the cap.
+- **Time**: a call waiting longer than `request_idle_timeout_s` for its next request
+  message is cancelled; idle connections are closed, dead peers found by keepalive.
+- **Ids**: count per call and bytes per id, and the task pool's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfeed.client.allocator import MAX_RETAINED_BYTES
+
+_MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits mallopt's int
+# GetStatus calls in flight at once (all clients): its own slots, so operators can always
+# look, whatever streams and polls hold.
+STATUS_SLOTS = 2
+# Handler threads the caps must leave free: GetStatus's slots and 2 for health checks.
+RESERVED_WORKERS = STATUS_SLOTS + 2
+DEFAULT_MAX_IDS_PER_CALL = 100_000
+DEFAULT_MAX_ID_BYTES = 256
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A field with a default and its documentation (meaning, unit)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"[server] {name}: {message}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerConfig:
+    """Where the gRPC front-end listens, how much it accepts and what one client may hold."""
+
+    host: str = _f("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
+    port: int = _f(50051, "gRPC port; 0 picks a free port (printed at start-up)")
+    metrics_port: int = _f(0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint")
+    metrics_host: str = _f(
+        "127.0.0.1",
+        "interface the metrics port binds, separate from host so it stays on loopback when "
+        "gRPC serves other machines; 0.0.0.0 for a remote Prometheus",
+    )
+    max_message_bytes: int = _f(
+        512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
+    )
+    max_workers: int = _f(
+        128,
+        "gRPC handler threads; every admitted call holds one while it runs (an open "
+        "SubmitRollouts stream or a waiting GetBatch for its whole life). Must leave "
+        f"{RESERVED_WORKERS} over the sum of max_streams, max_long_polls and max_unary_calls "
+        "(GetStatus and health)",
+    )
+    max_streams: int = _f(
+        16,
+        "SubmitRollouts streams open at once, all clients; one more answers "
+        "RESOURCE_EXHAUSTED (RolloutWriter sends unary calls and opens none)",
+    )
+    max_long_polls: int = _f(
+        64,
+        "GetBatch calls in flight at once, all clients (a BatchLoader rank has one); one "
+        "more answers RESOURCE_EXHAUSTED, which BatchLoader retries. Raise it, with "
+        "max_workers, beyond 64 ranks",
+    )
+    max_unary_calls: int = _f(
+        32,
+        "other rlfeed.v1 calls in flight at once, all clients (SubmitRolloutBatch, "
+        "RegisterTasks, SampleTasks, ReportTrainerMetrics); one more answers "
+        f"RESOURCE_EXHAUSTED, which RolloutWriter retries. GetStatus has {STATUS_SLOTS} "
+        "slots of its own; the health service is never limited",
+    )
+    max_calls_per_client: int = _f(
+        32,
+        "streams, long polls and unary calls one client address (IP, whatever the port) "
+        "may have in flight together; one more answers RESOURCE_EXHAUSTED. Every process "
+        "of a host behind one address (or a NAT) shares it; 0 = no per-client limit",
+    )
+    max_pending_calls: int = _f(
+        1024,
+        "calls running or queued for a thread at once, all kinds (gRPC's "
+        "maximum_concurrent_rpcs): beyond it any call, health included, answers "
+        "RESOURCE_EXHAUSTED before a thread or memory is spent on it",
+    )
+    max_wait_seconds: float = _f(
+        60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
+    )
+    request_idle_timeout_s: float = _f(
+        120.0,
+        "a call waiting this long for its next request message is cancelled (CANCELLED), "
+        "freeing its slot and thread: a SubmitRollouts stream that sends nothing, a unary "
+        "call whose message does not arrive; seconds, 0 = never",
+    )
+    keepalive_time_s: float = _f(
+        60.0,
+        "the server pings a connection after this long without traffic, seconds "
+        "(grpc.keepalive_time_ms), so the calls of a vanished client end; 0 = no pings",
+    )
+    keepalive_timeout_s: float = _f(
+        20.0, "a connection whose ping is not answered within this long is closed, seconds"
+    )
+    max_connection_idle_s: float = _f(
+        300.0,
+        "a connection with no call for this long is closed (GOAWAY; clients reconnect on "
+        "their next call), seconds; this also closes raw sockets that never speak "
+        "HTTP/2; 0 = never",
+    )
+    max_connection_age_s: float = _f(
+        0.0,
+        "connections are closed after this long, seconds (calls in flight get "
+        "max_connection_age_grace_s to finish; clients reconnect), e.g. to rebalance "
+        "replicas; 0 = never",
+    )
+    max_connection_age_grace_s: float = _f(
+        120.0,
+        "how long calls in flight on a connection past max_connection_age_s may run on "
+        "before they are cancelled, seconds (more than max_wait_seconds)",
+    )
+    handshake_timeout_s: float = _f(
+        10.0, "a new connection must finish its TLS/HTTP2 handshake within this long, seconds"
+    )
+    max_ids_per_call: int = _f(
+        DEFAULT_MAX_IDS_PER_CALL,
+        "task ids in one RegisterTasks call, rollouts in one batch; more is INVALID_ARGUMENT",
+    )
+    max_id_bytes: int = _f(
+        DEFAULT_MAX_ID_BYTES,
+        "UTF-8 bytes of one task, group or rollout id; longer is INVALID_ARGUMENT",
+    )
+    max_tasks: int = _f(
+        1_000_000,
+        "task pool size (about 200 bytes per task in the scheduler actor); a RegisterTasks "
+        "call that would grow it beyond this is INVALID_ARGUMENT, as a whole",
+    )
+    replicas: int = _f(
+        1,
+        "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
+        "scheduler actor: ingest and serving use that many interpreters' worth of cores",
+    )
+    retained_free_mib: int = _f(
+        1024,
+        "MiB of free memory a heap of the front-end's process may hold at its top before "
+        "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "
+        "from the heap, and all threads share one heap): the same large buffers are "
+        "allocated every step, and each fresh page costs a fault; at most "
+        f"{_MAX_RETAINED_MIB}; 0 = glibc's defaults",
+    )
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.replicas >= 1, "replicas", "must be >= 1")
+        _require(0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+        _require(bool(self.metrics_host), "metrics_host", "must not be empty")
+        _require(self.max_message_bytes >= 1 << 20, "max_message_bytes", ">= 1 MiB")
+        _require(self.max_wait_seconds >= 0, "max_wait_seconds", "must be >= 0")
+        _require(
+            0 <= self.retained_free_mib <= _MAX_RETAINED_MIB,
+            "retained_free_mib",
+            f"must be in [0, {_MAX_RETAINED_MIB}]",
+        )
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        for name in ("max_streams", "max_long_polls", "max_unary_calls", "max_ids_per_call"):
+            _require(getattr(self, name) >= 1, name, "must be >= 1")
+        _require(self.max_id_bytes >= 16, "max_id_bytes", "must be >= 16")
+        _require(self.max_tasks >= 1, "max_tasks", "must be >= 1")
+        _require(self.max_calls_per_client >= 0, "max_calls_per_client", "must be >= 0")
+        capped = self.max_streams + self.max_long_polls + self.max_unary_calls
+        _require(
+            self.max_workers >= capped + RESERVED_WORKERS,
+            "max_workers",
+            f"must be >= max_streams + max_long_polls + max_unary_calls + {RESERVED_WORKERS} "
+            f"= {capped + RESERVED_WORKERS} (threads for GetStatus and health), got "
+            f"{self.max_workers}",
+        )
+        _require(
+            self.max_pending_calls >= self.max_workers,
+            "max_pending_calls",
+            f"must be >= max_workers ({self.max_workers})",
+        )
+        for name in (
+            "request_idle_timeout_s",
+            "keepalive_time_s",
+            "max_connection_idle_s",
+            "max_connection_age_s",
+            "max_connection_age_grace_s",
+        ):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
+        _require(self.keepalive_timeout_s > 0, "keepalive_timeout_s", "must be > 0")
+        _require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The public server's channel arguments for these limits (sizes, keepalive,
+        idle and aged connections, handshakes)."""
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
+        ]
+        if self.keepalive_time_s:
+            options += [
+                ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+                ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                # Keep pinging through a long poll (no data for up to max_wait_seconds).
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+        if self.max_connection_idle_s:
+            options.append(("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)))
+        if self.max_connection_age_s:
+            options += [
+                ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+                ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
+            ]
+        return options
