@@ -163,12 +163,21 @@ def serve_batches(transport: InProcessTransport) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def test_a_sidecar_that_stops_mid_run_is_reported_after_the_connect_timeout(caplog):
+def test_a_sidecar_that_stops_mid_run_is_reported_after_the_reconnect_timeout(caplog):
+    """Once the sidecar has answered, an outage is waited out for `reconnect_timeout_s`
+    (a restart), not `connect_timeout_s`; the warning names the setting that applies."""
     transport = make_transport(world_size=1)
     produce_steps(transport, steps=2)
     server, address = serve_batches(transport)
     try:
-        loader = BatchLoader(address, 0, 1, prefetch=0, connect_timeout_s=CONNECT_TIMEOUT_S)
+        loader = BatchLoader(
+            address,
+            0,
+            1,
+            prefetch=0,
+            connect_timeout_s=0.1,  # would give up at once: it does not apply any more
+            reconnect_timeout_s=CONNECT_TIMEOUT_S,
+        )
         assert loader.fetch(0).step == 0
     finally:
         server.stop(0).wait()
@@ -177,6 +186,7 @@ def test_a_sidecar_that_stops_mid_run_is_reported_after_the_connect_timeout(capl
         loader.fetch(1)
     assert CONNECT_TIMEOUT_S <= time.time() - started < FAIL_WITHIN_S
     assert first_warning_after(caplog, address, started) < 1.0
+    assert "(reconnect_timeout_s)" in caplog.text
     assert caught.value.address == address
     loader.close()
 
