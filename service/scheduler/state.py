@@ -601,11 +601,17 @@ class Scheduler:
         if held is None or held.payloads is None:  # not planned, released, or materializing
             return FetchResult(ready=False, released=held is None and step < self._next_step)
         if rank not in held.fetched:
+            self._served(held, rank)
+            self._settle(step)
+        return FetchResult(ready=True, payload=held.payloads[rank])
+
+    def _served(self, held: _Step, rank: int) -> None:
+        """`rank` fetched the step or acknowledged it: it waits for that rank no more (the
+        backpressure rule counts a step until no rank waits)."""
+        if rank not in held.fetched:
             held.fetched.add(rank)
             if len(held.fetched) == self.config.batching.world_size:
                 self._rollouts_in_steps -= held.num_rollouts
-            self._settle(step)
-        return FetchResult(ready=True, payload=held.payloads[rank])
 
     def ack_steps(self, rank: int, through_step: int) -> int:
         """Rank `rank` is done with every step <= `through_step` (AckSteps); returns its
@@ -624,6 +630,7 @@ class Scheduler:
         for step in sorted(self._steps):
             if step > acked:
                 break
+            self._served(self._steps[step], rank)  # e.g. resumed past it: never fetched
             self._settle(step)
         return acked
 
