@@ -3,7 +3,7 @@ and in a `SidecarUnreachableError` after `connect_timeout_s`, never a silent 600
 a trainer's wrong world size is a `WorldSizeMismatchError`, not an "invalid rollouts" one.
 
 The network cases run real gRPC on loopback: a port nothing listens on, and a small gRPC
-server (the in-process sidecar behind `BatchServing/GetBatch`) stopped mid-run.
+server (the in-process sidecar, `serve_in_process`) stopped mid-run.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -26,9 +25,9 @@ from rlfeed.client.transport import (
     WorldSizeMismatchError,
     _sidecar_error,
 )
-from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.inprocess import InProcessTransport
+from rlfeed.service.inprocess_server import serve_in_process
 
 CONNECT_TIMEOUT_S = 2.0
 # Loose bounds: the error comes after the timeout, and well before the old 600 s.
@@ -138,28 +137,8 @@ def produce_steps(transport: InProcessTransport, steps: int) -> None:
 
 
 def serve_batches(transport: InProcessTransport) -> tuple[grpc.Server, str]:
-    """A gRPC server answering `BatchServing/GetBatch` from `transport`, on a free port."""
-
-    def get_batch(request, context):
-        try:
-            return transport.get_batch(request.step, request.rank, request.timeout_ms / 1000)
-        except SidecarError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-
-    handler = grpc.method_handlers_generic_handler(
-        "rlfeed.v1.BatchServing",
-        {
-            "GetBatch": grpc.unary_unary_rpc_method_handler(
-                get_batch,
-                request_deserializer=pb.GetBatchRequest.FromString,
-                response_serializer=pb.GetBatchResponse.SerializeToString,
-            )
-        },
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    """A gRPC server answering from `transport`, on a free port, and its address."""
+    server, port = serve_in_process(transport)
     return server, f"127.0.0.1:{port}"
 
 
