@@ -16,7 +16,9 @@ user's optimizer stepped on it), and the loader tells the sidecar (`AckSteps`, `
 The sidecar keeps a step until every rank acknowledged it, then `[batching]
 retained_steps` more steps, so a trainer resuming from a checkpoint that far back is
 served its steps again. `auto_ack=False` leaves it to the user: `loader.ack(step)` after
-each checkpoint keeps every step since the last one (at the cost of sidecar memory).
+each checkpoint keeps every step since the last one (at the cost of sidecar memory). At
+its first fetch the loader tells the sidecar that this rank acknowledges (`AckSteps`
+without a step), so its fetches and prefetches never count as done.
 
 Riding through a restart, failing loud: a sidecar that does not answer (nothing listens at
 the address, the host name does not resolve, the sidecar crashed or restarts mid-run) is
@@ -128,7 +130,7 @@ class BatchLoader:
     timeout_s: longest wait for one step to be assembled before TimeoutError.
     poll_s: longest single server-side wait; bounds how long `close()` takes.
     auto_ack: acknowledge step s when the loop asks for step s + 1 (module docstring);
-      False: only `ack()` does.
+      False: only `ack()` does, and nothing is released until it is called.
     connect_timeout_s: how long a sidecar that has not answered yet is asked again (a
       warning naming the address at once, then every 10 s) before
       `SidecarUnreachableError`; default RLFEED_CONNECT_TIMEOUT_S, else 30 s.
@@ -202,6 +204,7 @@ class BatchLoader:
         self._retry = RetryPolicy(self.address, connect_timeout_s, reconnect_timeout_s)
         self._next_step = start_step
         self._prefetcher: _Prefetcher | None = None
+        self._declared = False  # told the sidecar this rank acknowledges (first fetch)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -236,6 +239,9 @@ class BatchLoader:
         if self._retained_free_bytes:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
+        if not self._declared:  # before any fetch can count as done
+            self._acknowledge(None)
+            self._declared = True
         deadline = time.monotonic() + self.timeout_s
         outage = self._retry.outage(TRANSIENT_CODES, limit_s=self.timeout_s)
         while True:
@@ -296,8 +302,11 @@ class BatchLoader:
         not assembled `step` (e.g. it restarted without a journal)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        return self._acknowledge(int(step))
+
+    def _acknowledge(self, through_step: int | None) -> int:
         try:
-            response = self._retry.call(lambda: self._transport.ack_steps(self.rank, int(step)))
+            response = self._retry.call(lambda: self._transport.ack_steps(self.rank, through_step))
         except InvalidRequestError as exc:
             raise self._invalid_request(exc) from None
         return int(response.acked_through)

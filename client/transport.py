@@ -143,9 +143,10 @@ class Transport(Protocol):
         with `ready = False`."""
         ...
 
-    def ack_steps(self, rank: int, through_step: int) -> pb.AckStepsResponse:
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
         """Rank `rank` is done with every step <= `through_step` (the sidecar may release
-        them after its retention); cumulative and idempotent."""
+        them after its retention); cumulative and idempotent. None: none yet, but from now
+        on only the rank's acknowledgements count, not its fetches."""
         ...
 
     def report(self, report: pb.TrainerReport) -> None: ...
@@ -247,7 +248,7 @@ class GrpcTransport:
         request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
         return self._call(self._get_batch_view, request, timeout_s=wait_s + self._call_timeout_s)
 
-    def ack_steps(self, rank: int, through_step: int) -> pb.AckStepsResponse:
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
         request = pb.AckStepsRequest(rank=rank, through_step=through_step)
         return self._call(self._batches.AckSteps, request)
 

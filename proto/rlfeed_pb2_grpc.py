@@ -364,9 +364,9 @@ class BatchServingServicer:
         Call it once per step, or as rarely as once per checkpoint (everything since is then
         kept). Idempotent and cumulative: the rank's acknowledged step only grows, so a resent
         or older acknowledgement changes nothing (safe to retry after UNAVAILABLE).
-        Compatibility: a rank that has never called AckSteps is counted done with a step once
-        it fetched it (the behaviour of clients that predate this call); its first AckSteps
-        switches it to acknowledgements for good.
+        A rank that has never called AckSteps is counted done with a step once it fetched it
+        (clients that do not acknowledge); a client that acknowledges calls AckSteps without
+        `through_step` before its first GetBatch, so that its fetches never count as done.
         INVALID_ARGUMENT: rank outside [0, world_size), or `through_step` not assembled yet
         (>= the status' next_step; after a sidecar restart without a journal, a sign that the
         step numbers started again).

@@ -108,7 +108,7 @@ class InProcessTransport:
                     return b""
                 self._cond.wait(remaining)
 
-    def ack_steps(self, rank: int, through_step: int) -> pb.AckStepsResponse:
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
         with self._cond:
             try:
                 acked = self._scheduler.ack_steps(rank, through_step)

@@ -62,7 +62,9 @@ def _handlers(transport: InProcessTransport) -> list[grpc.GenericRpcHandler]:
                 pb.GetBatchResponse,
             ),
             "AckSteps": _unary(
-                lambda r: transport.ack_steps(r.rank, r.through_step),
+                lambda r: transport.ack_steps(
+                    r.rank, r.through_step if r.HasField("through_step") else None
+                ),
                 pb.AckStepsRequest,
                 pb.AckStepsResponse,
             ),

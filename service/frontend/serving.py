@@ -172,7 +172,8 @@ class BatchServing:
 
     @unavailable_when_ray_fails
     def AckSteps(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
-        acked = self.frontend.scheduler.ack_steps(int(request.rank), int(request.through_step))
+        through_step = int(request.through_step) if request.HasField("through_step") else None
+        acked = self.frontend.scheduler.ack_steps(int(request.rank), through_step)
         if isinstance(acked, Refused):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
         return pb.AckStepsResponse(acked_through=acked)

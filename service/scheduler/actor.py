@@ -210,7 +210,7 @@ class SchedulerActor:
         kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
         return Fetch(kind, self._scheduler.next_step)
 
-    def ack_steps(self, rank: int, through_step: int) -> int | Refused:
+    def ack_steps(self, rank: int, through_step: int | None) -> int | Refused:
         """The rank's acknowledged step afterwards, or Refused (a rank outside the world, a
         step not assembled yet)."""
         try:

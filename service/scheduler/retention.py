@@ -6,8 +6,9 @@ it), not when it fetches or prefetches it, so a trainer resuming from a checkpoi
 `retained_steps` steps back is served its steps again. Acknowledgements are cumulative
 ("every step <= s"), so a rank is one number, its acknowledged step; a resent or older
 acknowledgement changes nothing. A rank that has never acknowledged anything is counted
-done with a step once it fetched it: trainers that predate `AckSteps` keep the release
-rule they were written for (release after `retained_steps` fully fetched steps).
+done with a step once it fetched it: trainers that do not acknowledge keep the release
+rule they were written for (release after `retained_steps` fully fetched steps). One that
+does declares it before its first fetch (an acknowledgement of step -1, "none yet").
 
 Pure bookkeeping over step numbers and rank sets; deterministic, so a journal replaying
 the scheduler's calls rebuilds it. `Scheduler` owns the steps and asks this class.
@@ -30,8 +31,9 @@ class StepRetention:
         self._done: deque[int] = deque()  # done by every rank and still held, in that order
 
     def ack(self, rank: int, through_step: int) -> int:
-        """Rank `rank` is done with every step <= `through_step`; returns its acknowledged
-        step afterwards (it never goes back)."""
+        """Rank `rank` is done with every step <= `through_step` (-1: none, but the rank
+        acknowledges from now on); returns its acknowledged step afterwards (it never goes
+        back)."""
         acked = max(self.acked_through.get(rank, -1), through_step)
         self.acked_through[rank] = acked
         return acked

@@ -613,13 +613,16 @@ class Scheduler:
             if len(held.fetched) == self.config.batching.world_size:
                 self._rollouts_in_steps -= held.num_rollouts
 
-    def ack_steps(self, rank: int, through_step: int) -> int:
-        """Rank `rank` is done with every step <= `through_step` (AckSteps); returns its
-        acknowledged step afterwards. A step every rank is done with is released once
-        `retained_steps` newer ones are done too (`retention.StepRetention`). Idempotent;
-        ValueError, changing nothing, for a rank outside the world or a step not assembled
-        yet (a trainer cannot have trained it)."""
+    def ack_steps(self, rank: int, through_step: int | None) -> int:
+        """Rank `rank` is done with every step <= `through_step` (AckSteps; None: with none
+        yet, but from now on only its acknowledgements count, not its fetches); returns its
+        acknowledged step afterwards (-1: none). A step every rank is done with is released
+        once `retained_steps` newer ones are done too (`retention.StepRetention`).
+        Idempotent; ValueError, changing nothing, for a rank outside the world or a step
+        not assembled yet (a trainer cannot have trained it)."""
         self._check_rank(rank)
+        if through_step is None:
+            return self._retention.ack(rank, -1)
         if not 0 <= through_step < self._next_step:
             raise ValueError(
                 f"acknowledgement of rank {rank}: field through_step: step {through_step} "

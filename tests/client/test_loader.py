@@ -445,15 +445,17 @@ def test_a_step_is_acknowledged_when_the_loop_asks_for_the_next_not_when_fetched
     while len(recording.served) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [step for step, _, _ in recording.served] == [0, 1, 2]  # prefetched two ahead
-    assert recording.acks == []  # fetched three steps, trained on none yet
+    # Before its first fetch, the rank said it acknowledges (so fetches never count), and
+    # having fetched three steps it has trained on none yet.
+    assert recording.acks == [(0, None)]
     assert next(steps).step == 1
-    assert recording.acks == [(0, 0)]
+    assert recording.acks[1:] == [(0, 0)]
     assert [step.step for step in steps] == [2, 3]
-    assert recording.acks == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the last as the loop ended
+    assert recording.acks[1:] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the last as the loop ended
     loader.close()
     for _ in BatchLoader(recording, 1, WORLD_SIZE, prefetch=0):
         break  # left mid-step: that step is not done
-    assert recording.acks[4:] == []
+    assert recording.acks[5:] == [(1, None)]
 
 
 def test_without_auto_ack_the_steps_since_the_last_explicit_ack_are_kept():

@@ -375,14 +375,16 @@ def test_a_step_is_held_until_retained_steps_newer_ones_are_acknowledged_by_ever
 
 
 def test_a_rank_that_never_acknowledges_is_counted_by_its_fetches() -> None:
-    """A trainer that predates AckSteps (rank 1 here) still lets steps go: its fetch stands
-    for its acknowledgement."""
+    """A trainer that does not acknowledge (rank 1 here) still lets steps go: its fetch
+    stands for its acknowledgement. One that says it acknowledges (rank 0, before its first
+    fetch) is never counted by its fetches."""
     scheduler = assembled_steps(3, retained_steps=1)
-    scheduler.ack_steps(0, 2)
+    assert scheduler.ack_steps(0, None) == -1
+    fetch_step(scheduler, 0)
+    fetch_step(scheduler, 1)
     assert scheduler.held_steps([0, 1, 2]) == [0, 1, 2]
-    scheduler.fetch_batch(0, 1)
-    scheduler.fetch_batch(1, 1)
-    assert scheduler.held_steps([0, 1, 2]) == [1, 2]
+    scheduler.ack_steps(0, 2)
+    assert scheduler.held_steps([0, 1, 2]) == [1, 2]  # rank 1 fetched 0 and 1
 
 
 def test_an_acknowledgement_of_a_step_not_assembled_is_refused_and_changes_nothing() -> None:

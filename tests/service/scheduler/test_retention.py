@@ -29,8 +29,10 @@ def test_a_rank_that_never_acknowledged_is_done_with_the_steps_it_fetched() -> N
     retention.ack(0, 9)
     assert not retention.done_by_every_rank(3, fetched={0})
     assert retention.done_by_every_rank(3, fetched={1})
-    retention.ack(1, 1)  # from its first acknowledgement on, fetches no longer count
-    assert not retention.done_by_every_rank(4, fetched={1})
+    assert retention.ack(1, -1) == -1  # "none yet, but I acknowledge": fetches stop counting
+    assert not retention.done_by_every_rank(3, fetched={1})
+    retention.ack(1, 3)
+    assert retention.done_by_every_rank(3, fetched=set())
 
 
 def test_the_newest_retained_steps_done_stay_and_older_ones_are_released_in_order() -> None:
