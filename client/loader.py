@@ -47,6 +47,7 @@ tensors it would have seen.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -79,6 +80,11 @@ _RANK_OUTSIDE = re.compile(r"rank (\d+) is outside \[0, (\d+)\)")
 
 # Between asks after an UNAVAILABLE answer (a front-end leaving or restarting), at most.
 _UNAVAILABLE_RETRY_S = 0.1
+# A step not assembled yet is waited for up to `timeout_s` (600 s by default): a warning
+# this often says so, so a trainer starved of data is never silent for minutes.
+_STILL_WAITING_EVERY_S = 60.0
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -242,7 +248,8 @@ class BatchLoader:
         if not self._declared:  # before any fetch can count as done
             self._acknowledge(None)
             self._declared = True
-        deadline = time.monotonic() + self.timeout_s
+        started = warned = time.monotonic()  # warned: the last "still waiting" warning
+        deadline = started + self.timeout_s
         outage = self._retry.outage(TRANSIENT_CODES, limit_s=self.timeout_s)
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
@@ -259,12 +266,27 @@ class BatchLoader:
             outage.succeeded()
             if response.ready:
                 return self._decode(response, step)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(
                     f"step {step} rank {self.rank}: not assembled after {self.timeout_s} s"
                 )
+            if now - warned >= _STILL_WAITING_EVERY_S:
+                warned = now
+                self._still_waiting(step, now - started)
             if self._prefetcher is not None and self._prefetcher.stopping:
                 raise _Stopped
+
+    def _still_waiting(self, step: int, waited_s: float) -> None:
+        _log.warning(
+            "rlfeed: rank %d has waited %.0f s for step %d, not assembled yet by the sidecar "
+            "at %s (producers slow or stopped?); giving up after %.0f s (timeout_s)",
+            self.rank,
+            waited_s,
+            step,
+            self.address,
+            self.timeout_s,
+        )
 
     def _invalid_request(self, exc: SidecarError) -> InvalidRequestError:
         """The sidecar's INVALID_ARGUMENT to a fetch, as the trainer-side error it is."""

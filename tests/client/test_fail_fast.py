@@ -81,6 +81,11 @@ def test_the_connect_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("RLFEED_CONNECT_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="RLFEED_CONNECT_TIMEOUT_S='soon'"):
         BatchLoader(dead_address(), 0, 1)
+    monkeypatch.delenv("RLFEED_CONNECT_TIMEOUT_S")
+    assert RolloutWriter(dead_address()).reconnect_timeout_s == 120.0  # the default
+    monkeypatch.setenv("RLFEED_RECONNECT_TIMEOUT_S", "45")
+    assert BatchLoader(dead_address(), 0, 1).reconnect_timeout_s == 45.0
+    assert RolloutWriter(dead_address()).reconnect_timeout_s == 45.0
 
 
 def test_a_writer_pointed_at_nothing_warns_and_fails_with_the_rollouts_to_resend(caplog):

@@ -8,6 +8,7 @@ and in `test_readme_examples.py`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 
@@ -362,6 +363,16 @@ def test_a_step_that_never_comes_times_out(transport):
     with pytest.raises(TimeoutError, match="step 0 rank 0"):
         next(iter(loader))
     loader.close()
+
+
+def test_a_long_wait_for_a_step_is_never_silent(transport, monkeypatch, caplog):
+    monkeypatch.setattr(loader_module, "_STILL_WAITING_EVERY_S", 0.2)
+    loader = BatchLoader(transport, 1, WORLD_SIZE, prefetch=0, timeout_s=1.0, poll_s=0.1)
+    with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+        loader.fetch(3)
+    waits = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert 3 <= len(waits) <= 5  # one every 0.2 s of the 1 s
+    assert waits[0].startswith("rlfeed: rank 1 has waited 0 s for step 3, not assembled yet")
 
 
 def test_an_unavailable_sidecar_is_asked_again_until_the_timeout(transport):
