@@ -82,10 +82,11 @@ def test_the_connect_timeout_comes_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="RLFEED_CONNECT_TIMEOUT_S='soon'"):
         BatchLoader(dead_address(), 0, 1)
     monkeypatch.delenv("RLFEED_CONNECT_TIMEOUT_S")
-    assert RolloutWriter(dead_address()).reconnect_timeout_s == 120.0  # the default
+    with RolloutWriter(dead_address()) as writer:
+        assert writer.reconnect_timeout_s == 120.0  # the default
     monkeypatch.setenv("RLFEED_RECONNECT_TIMEOUT_S", "45")
-    assert BatchLoader(dead_address(), 0, 1).reconnect_timeout_s == 45.0
-    assert RolloutWriter(dead_address()).reconnect_timeout_s == 45.0
+    with BatchLoader(dead_address(), 0, 1) as loader, RolloutWriter(dead_address()) as writer:
+        assert loader.reconnect_timeout_s == writer.reconnect_timeout_s == 45.0
 
 
 def test_a_writer_pointed_at_nothing_warns_and_fails_with_the_rollouts_to_resend(caplog):
