@@ -11,13 +11,24 @@ tensors alias the Arrow buffers). While the trainer works on step s, a backgroun
 fetches steps s+1 .. s+prefetch; it starts at the first `iter()`, never at import or
 construction, and `close()` (or leaving the `with` block) stops it.
 
-Failing loud: a sidecar that does not answer (nothing listens at the address, the host
-name does not resolve, the sidecar crashed mid-run) is asked again for `connect_timeout_s`
-(default 30 s, or RLFEED_CONNECT_TIMEOUT_S), with a warning naming the address logged at
-once and every 10 s; then `SidecarUnreachableError` (a `SidecarError` and a
-`ConnectionError`) names the address and how long it tried. A world size that is not the
-sidecar's raises `WorldSizeMismatchError`, any other refused request
-`InvalidRequestError` (both `ValueError`s).
+Acknowledging: when the loop asks for step s + 1, this rank is done with step s (the
+user's optimizer stepped on it), and the loader tells the sidecar (`AckSteps`, `ack()`).
+The sidecar keeps a step until every rank acknowledged it, then `[batching]
+retained_steps` more steps, so a trainer resuming from a checkpoint that far back is
+served its steps again. `auto_ack=False` leaves it to the user: `loader.ack(step)` after
+each checkpoint keeps every step since the last one (at the cost of sidecar memory). At
+its first fetch the loader tells the sidecar that this rank acknowledges (`AckSteps`
+without a step), so its fetches and prefetches never count as done.
+
+Riding through a restart, failing loud: a sidecar that does not answer (nothing listens at
+the address, the host name does not resolve, the sidecar crashed or restarts mid-run) is
+asked again (`client/retry.py`: for `connect_timeout_s`, 30 s, until it first answered,
+then for `reconnect_timeout_s`, 120 s), with a warning naming the address logged at once
+and every 10 s; then `SidecarUnreachableError` (a `SidecarError` and a `ConnectionError`)
+names the address and how long it tried. Fetches, acknowledgements and reports are
+idempotent, so they are simply asked again. A world size that is not the sidecar's raises
+`WorldSizeMismatchError`, any other refused request `InvalidRequestError` (both
+`ValueError`s).
 
 Memory (opt-in): with `retained_free_mib` > 0, on glibc, the loader's first fetch sets
 this process's malloc to keep up to that much freed memory for the next step's buffers
@@ -30,12 +41,13 @@ for a GPU trainer, whose step time the page faults of its batches hardly touch.
 
 Resuming: `state_dict()` holds the next step to yield; a loader given that state by
 `load_state_dict()` yields the same step next, and the sidecar answers a re-fetch of a
-(step, rank) with byte-identical content, so a restarted trainer sees the tensors it would
-have seen.
+(step, rank) it still retains with byte-identical content, so a restarted trainer sees the
+tensors it would have seen.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
@@ -48,16 +60,15 @@ from typing import Any
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
+from rlfeed.client.retry import TRANSIENT_CODES, RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
     InvalidRequestError,
-    Outage,
     SidecarError,
     Transport,
     WorldSizeMismatchError,
     address_of,
     connect,
-    connect_timeout,
     fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
@@ -71,6 +82,11 @@ _RANK_OUTSIDE = re.compile(r"rank (\d+) is outside \[0, (\d+)\)")
 
 # Between asks after an UNAVAILABLE answer (a front-end leaving or restarting), at most.
 _UNAVAILABLE_RETRY_S = 0.1
+# A step not assembled yet is waited for up to `timeout_s` (600 s by default): a warning
+# this often says so, so a trainer starved of data is never silent for minutes.
+_STILL_WAITING_EVERY_S = 60.0
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,9 +137,13 @@ class BatchLoader:
     prefetch: steps fetched ahead in the background (0 = fetch on demand, no thread).
     timeout_s: longest wait for one step to be assembled before TimeoutError.
     poll_s: longest single server-side wait; bounds how long `close()` takes.
-    connect_timeout_s: how long an unreachable sidecar is asked again (a warning naming
-      the address at once, then every 10 s) before `SidecarUnreachableError`; default
-      RLFEED_CONNECT_TIMEOUT_S, else 30 s. Never longer than `timeout_s`.
+    auto_ack: acknowledge step s when the loop asks for step s + 1 (module docstring);
+      False: only `ack()` does, and nothing is released until it is called.
+    connect_timeout_s: how long a sidecar that has not answered yet is asked again (a
+      warning naming the address at once, then every 10 s) before
+      `SidecarUnreachableError`; default RLFEED_CONNECT_TIMEOUT_S, else 30 s.
+    reconnect_timeout_s: the same once it has answered (a restart); default
+      RLFEED_RECONNECT_TIMEOUT_S, else 120 s. Neither is longer than `timeout_s`.
     retained_free_mib: free memory (MiB) a heap of this process may keep for reuse, set at
       the first fetch (process-wide; see the module docstring); 0 (the default) leaves
       glibc's defaults alone.
@@ -143,7 +163,9 @@ class BatchLoader:
         prefetch: int = 1,
         timeout_s: float = 600.0,
         poll_s: float = 0.5,
+        auto_ack: bool = True,
         connect_timeout_s: float | None = None,
+        reconnect_timeout_s: float | None = None,
         retained_free_mib: int = DEFAULT_RETAINED_FREE_MIB,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -185,10 +207,12 @@ class BatchLoader:
         self.stop_step = stop_step
         self.timeout_s = timeout_s
         self.poll_s = poll_s
-        self.connect_timeout_s = connect_timeout(connect_timeout_s)
+        self.auto_ack = auto_ack
         self.address = address_of(self._transport)
+        self._retry = RetryPolicy(self.address, connect_timeout_s, reconnect_timeout_s)
         self._next_step = start_step
         self._prefetcher: _Prefetcher | None = None
+        self._declared = False  # told the sidecar this rank acknowledges (first fetch)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -202,19 +226,34 @@ class BatchLoader:
             step = prefetcher.take() if prefetcher is not None else self.fetch(self._next_step)
             self._next_step = step.step + 1
             yield step
+            if self.auto_ack:  # asked for the next step: this one is done
+                self.ack(step.step)
         self._stop_prefetcher()
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return self._retry.connect_timeout_s
+
+    @property
+    def reconnect_timeout_s(self) -> float:
+        return self._retry.reconnect_timeout_s
 
     def fetch(self, step: int) -> TrainStep:
         """Step `step` for this rank, waiting up to `timeout_s` for it to be assembled. An
-        UNAVAILABLE answer (a front-end leaving or restarting) is asked again for up to
-        `connect_timeout_s` of not answering, with a warning, then `SidecarUnreachableError`;
-        RESOURCE_EXHAUSTED (too many calls in flight there) is asked again until
-        `timeout_s`: a fetch is idempotent, the answer byte-identical wherever it comes from."""
+        UNAVAILABLE answer (a front-end leaving, the sidecar restarting) is asked again
+        under the retry policy (module docstring), with a warning, then
+        `SidecarUnreachableError`; RESOURCE_EXHAUSTED (too many calls in flight there) is
+        asked again until `timeout_s`: a fetch is idempotent, the answer byte-identical
+        wherever it comes from. Fetching does not acknowledge the step (`ack`)."""
         if self._retained_free_bytes:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
-        deadline = time.monotonic() + self.timeout_s
-        outage = Outage(self.address, min(self.connect_timeout_s, self.timeout_s))
+        if not self._declared:  # before any fetch can count as done
+            self._acknowledge(None)
+            self._declared = True
+        started = warned = time.monotonic()  # warned: the last "still waiting" warning
+        deadline = started + self.timeout_s
+        outage = self._retry.outage(TRANSIENT_CODES, limit_s=self.timeout_s)
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
             try:
@@ -229,14 +268,30 @@ class BatchLoader:
                     raise _Stopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
                 continue
+            outage.succeeded()
             if response.ready:
                 return self._decode(response, step)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(
                     f"step {step} rank {self.rank}: not assembled after {self.timeout_s} s"
                 )
+            if now - warned >= _STILL_WAITING_EVERY_S:
+                warned = now
+                self._still_waiting(step, now - started)
             if self._prefetcher is not None and self._prefetcher.stopping:
                 raise _Stopped
+
+    def _still_waiting(self, step: int, waited_s: float) -> None:
+        _log.warning(
+            "rlfeed: rank %d has waited %.0f s for step %d, not assembled yet by the sidecar "
+            "at %s (producers slow or stopped?); giving up after %.0f s (timeout_s)",
+            self.rank,
+            waited_s,
+            step,
+            self.address,
+            self.timeout_s,
+        )
 
     def _invalid_request(self, exc: SidecarError) -> InvalidRequestError:
         """The sidecar's INVALID_ARGUMENT to a fetch, as the trainer-side error it is."""
@@ -266,10 +321,30 @@ class BatchLoader:
             microbatches=tuple(decode_step(response)),
         )
 
+    def ack(self, step: int) -> int:
+        """Tell the sidecar this rank is done with every step <= `step` (its optimizer
+        stepped on them); returns the rank's acknowledged step (it only grows: an older or
+        repeated acknowledgement changes nothing). Iterating does this by itself unless
+        `auto_ack=False`. Retried like a fetch; `InvalidRequestError` if the sidecar has
+        not assembled `step` (e.g. it restarted without a journal)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self._acknowledge(int(step))
+
+    def _acknowledge(self, through_step: int | None) -> int:
+        try:
+            response = self._retry.call(lambda: self._transport.ack_steps(self.rank, through_step))
+        except InvalidRequestError as exc:
+            raise self._invalid_request(exc) from None
+        return int(response.acked_through)
+
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """{"next_step": the step the next iteration yields, "rank", "world_size"}."""
+        """{"next_step": the step the next iteration yields, "rank", "world_size"}. The
+        steps before next_step are acknowledged by the time the loop yields next_step; a
+        loader resumed from this state is served them again while the sidecar retains
+        them (`[batching] retained_steps` steps after every rank acknowledged them)."""
         return {"next_step": self._next_step, "rank": self.rank, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -297,7 +372,8 @@ class BatchLoader:
         tokens_per_second: float = 0.0,
         step_seconds: float = 0.0,
     ) -> None:
-        """Send what this rank measured for `step` to the sidecar (becomes metrics).
+        """Send what this rank measured for `step` to the sidecar (becomes metrics);
+        retried like a fetch (a report replaces the rank's previous one).
         ratio_outlier_share None or NaN: not measured this step (sent unset). The sidecar
         refuses other non-finite values (InvalidRequestError naming the field)."""
         report = pb.TrainerReport(
@@ -309,7 +385,7 @@ class BatchLoader:
         )
         if ratio_outlier_share is not None and not math.isnan(ratio_outlier_share):
             report.ratio_outlier_share = float(ratio_outlier_share)
-        self._transport.report(report)
+        self._retry.call(lambda: self._transport.report(report))
 
     def close(self) -> None:
         """Stop the prefetch thread and close an owned channel. Idempotent."""

@@ -19,11 +19,18 @@ rollout ids, and is raised the same way as a rejection.
 
 A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
 it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,
-is raised by the next `write()`, `flush()` or `close()`. A sidecar that does not answer
-(UNAVAILABLE: nothing listens at the address, the name does not resolve, it crashed) is
-asked again for `connect_timeout_s` (default 30 s, or RLFEED_CONNECT_TIMEOUT_S) with a
-warning naming the address logged at once and every 10 s; then `SidecarUnreachableError`
-(with the batch's `rollout_ids`, to re-send) is raised the same way.
+is raised by the next `write()`, `flush()` or `close()`.
+
+Riding through a restart: a sidecar that does not answer (UNAVAILABLE: nothing listens at
+the address, the name does not resolve, it crashed or restarts) or a call whose deadline
+passed with its outcome unknown is asked again (`client/retry.py`: for
+`connect_timeout_s`, 30 s, until the sidecar first answered, then for
+`reconnect_timeout_s`, 120 s) with a warning naming the address logged at once and every
+10 s; then `SidecarUnreachableError` (with the batch's `rollout_ids`, to re-send) is raised
+the same way. A batch is re-sent as it was, same rollout ids, so what the sidecar already
+has is answered `duplicate`, never taken twice. A sidecar restarted without a journal has
+lost its task pool: when it answers "unknown task", or a task call went through an outage,
+the writer registers the tasks it registered before again (idempotent) and carries on.
 
 `write()` checks that every value fits the wire type it is narrowed to (token ids int32,
 action mask 0/1 as uint8, log-probs finite as float32, policy_version int64) and raises a
@@ -34,6 +41,7 @@ sent as 7.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -42,21 +50,22 @@ from typing import Literal
 
 import numpy as np
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, encode_rollouts
+from rlfeed.client.retry import RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
     InvalidRolloutsError,
-    Outage,
     SidecarError,
     Transport,
     address_of,
     connect,
-    connect_timeout,
     fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
 
-# A sidecar restarting or briefly overloaded; re-sending the same batch is idempotent.
-_TRANSIENT_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+_log = logging.getLogger(__name__)
+
+# The sidecar's reason for a rollout of a task it does not know (service/scheduler/state.py).
+_UNKNOWN_TASK = "field task_id: unknown task"
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -82,11 +91,13 @@ class RolloutWriter:
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
     retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
-    connect_timeout_s: how long a batch (or a task call) is re-sent while the sidecar is
-      UNAVAILABLE (or the call times out), with a warning naming the address at once and
-      every 10 s, before `SidecarUnreachableError` surfaces with the batch's
-      `rollout_ids`; default RLFEED_CONNECT_TIMEOUT_S, else 30 s. Re-sending is safe:
-      rollout ids are idempotency keys, so nothing counts twice.
+    connect_timeout_s: how long a batch (or a task call) is re-sent while a sidecar that
+      has not answered yet is UNAVAILABLE (or the call times out), with a warning naming
+      the address at once and every 10 s, before `SidecarUnreachableError` surfaces with
+      the batch's `rollout_ids`; default RLFEED_CONNECT_TIMEOUT_S, else 30 s. Re-sending
+      is safe: rollout ids are idempotency keys, so nothing counts twice.
+    reconnect_timeout_s: the same once the sidecar has answered (a restart); default
+      RLFEED_RECONNECT_TIMEOUT_S, else 120 s.
     max_in_flight: batches submitted at once. 1 keeps this writer's batches in write
       order at the sidecar; more overlaps one batch's round trip with the next ones (the
       sidecar may then see them in another order; acks still come back in batch order).
@@ -108,6 +119,7 @@ class RolloutWriter:
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
         connect_timeout_s: float | None = None,
+        reconnect_timeout_s: float | None = None,
         max_in_flight: int = 1,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -143,8 +155,14 @@ class RolloutWriter:
         self.on_full = on_full
         self.block_timeout_s = block_timeout_s
         self.retry_backoff_s = retry_backoff_s
-        self.connect_timeout_s = connect_timeout(connect_timeout_s)
         self.address = address_of(self._transport)
+        self._retry = RetryPolicy(self.address, connect_timeout_s, reconnect_timeout_s)
+        self.connect_timeout_s = self._retry.connect_timeout_s
+        self.reconnect_timeout_s = self._retry.reconnect_timeout_s
+        # Every task id registered through this writer, in order: registered again when a
+        # sidecar restarted without a journal has lost them.
+        self._tasks: dict[str, None] = {}
+        self._tasks_lock = threading.Lock()
         self.max_in_flight = max_in_flight
 
         self._pending = RolloutColumns.empty()
@@ -258,18 +276,43 @@ class RolloutWriter:
 
     def register_tasks(self, task_ids: Sequence[str]) -> int:
         """Add tasks to the sidecar's pool (known ids are ignored); returns how many were new.
-        An unreachable sidecar is asked again for `connect_timeout_s`."""
+        An unreachable sidecar is asked again (module docstring)."""
         ids = [str(t) for t in task_ids]
-        return int(self._outage().call(lambda: self._transport.register_tasks(ids)).added)
+        with self._tasks_lock:
+            self._tasks.update(dict.fromkeys(ids))
+        outage = self._retry.outage()
+        added = int(outage.call(lambda: self._transport.register_tasks(ids)).added)
+        if outage.interrupted:  # the sidecar may have restarted: the earlier tasks too
+            self._restore_tasks()
+        return added
 
     def sample_tasks(self, n: int) -> list[str]:
         """The next tasks to run, per the sidecar's curriculum; may be fewer than n. An
-        unreachable sidecar is asked again for `connect_timeout_s`."""
-        response = self._outage().call(lambda: self._transport.sample_tasks(int(n)))
+        unreachable sidecar is asked again (module docstring)."""
+        sample = lambda: self._transport.sample_tasks(int(n))  # noqa: E731
+        outage = self._retry.outage()
+        response = outage.call(sample)
+        if outage.interrupted and self._restore_tasks():  # sampled from a pool it had lost
+            response = self._retry.call(sample)
         return list(response.task_ids)
 
-    def _outage(self) -> Outage:
-        return Outage(self.address, self.connect_timeout_s, _TRANSIENT_CODES)
+    def _restore_tasks(self) -> int:
+        """Register this writer's tasks again (idempotent); returns how many the sidecar
+        did not know: > 0 only if it lost its pool (a restart without a journal)."""
+        with self._tasks_lock:
+            ids = list(self._tasks)
+        if not ids:
+            return 0
+        added = int(self._retry.call(lambda: self._transport.register_tasks(ids)).added)
+        if added:
+            _log.warning(
+                "rlfeed: the sidecar at %s had lost %d of the %d tasks this writer registered "
+                "(restarted without a journal?); registered them again",
+                self.address,
+                added,
+                len(ids),
+            )
+        return added
 
     # -- internals (hold self._cond) --------------------------------------------------------
 
@@ -361,23 +404,30 @@ class RolloutWriter:
         else:
             send = lambda: self._transport.submit(request)  # noqa: E731
         backoff = self.retry_backoff_s
-        outage = self._outage()
+        outage = self._retry.outage()
+        restored = False
         while True:
             try:
-                return send(), None
+                ack = send()
             except InvalidRolloutsError as exc:
+                outage.succeeded()
+                if not restored and _UNKNOWN_TASK in exc.message and self._restore_tasks():
+                    restored = True  # a restarted sidecar lost the pool: it has it again
+                    continue
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
+            except BufferFullError:
+                outage.succeeded()  # a full sidecar is waited out for as long as it takes
             except SidecarError as exc:
-                # A full sidecar is waited out for as long as it takes; an unreachable one
-                # for connect_timeout_s.
-                if not isinstance(exc, BufferFullError):
-                    exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
-                    try:
-                        outage.failed(exc)
-                    except SidecarError as final:
-                        return None, final
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
+                try:
+                    outage.failed(exc)  # an unreachable one under the retry policy
+                except SidecarError as final:
+                    return None, final
+            else:
+                outage.succeeded()
+                return ack, None
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
 
 
 def narrowed_columns(

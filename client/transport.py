@@ -1,4 +1,4 @@
-"""How the client library talks to a sidecar: a five-call interface, over gRPC or in-process.
+"""How the client library talks to a sidecar: a small call interface, over gRPC or in-process.
 
 `Transport` is what `RolloutWriter` and `BatchLoader` use; it speaks the `.proto` messages
 (`rlfeed.v1`), so the wire contract stays the one definition of every field. `GrpcTransport`
@@ -15,32 +15,36 @@ message size limit: never retried, the same bytes would be refused again), `Step
 (NOT_FOUND: the step is no longer retained), `AuthenticationError` (UNAUTHENTICATED or
 PERMISSION_DENIED: the token or certificate was refused), `SidecarError` for anything
 else. A transport raises UNAVAILABLE as a plain `SidecarError`, at once; the clients
-retry it for `connect_timeout_s` (`Outage`, with a warning naming the address), then
-raise `SidecarUnreachableError`.
+retry what is safe to retry (`client/retry.py`: a warning naming the address, then
+`SidecarUnreachableError`).
+
+Riding through a sidecar restart (kill -9, then `rlfeed serve` again on the same address):
+the channel tries to reconnect at least once a second (`RECONNECT_CHANNEL_OPTIONS`; gRPC's
+default backoff grows to 120 s, so a 20 s outage used to cost up to 17 s more), and every
+retried call is idempotent: a rollout batch is re-sent with the same rollout ids (the
+sidecar answers `duplicate` for those it has), a fetch asks for the same (step, rank), an
+acknowledgement is cumulative.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
 
-_log = logging.getLogger(__name__)
-
-ENV_CONNECT_TIMEOUT = "RLFEED_CONNECT_TIMEOUT_S"
-DEFAULT_CONNECT_TIMEOUT_S = 30.0
-"""How long a client keeps asking an unreachable sidecar (a restart takes seconds)."""
-
-# While a sidecar stays unreachable, a warning this often (the first one at once).
-_WARN_EVERY_S = 10.0
-
-_T = TypeVar("_T")
+RECONNECT_CHANNEL_OPTIONS = (
+    # A lost connection is tried again after 0.2 s, then at most every 1 s (gRPC defaults:
+    # 1 s growing by 1.6x to 120 s), so a restarted sidecar is noticed within about a second.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # One connection attempt may take this long (gRPC's default is 20 s): a host that drops
+    # packets fails calls, and so warns, within seconds, not after 20 s.
+    ("grpc.min_reconnect_backoff_ms", 5000),
+    # A name that resolves to a new address (a restarted pod) is looked up again within 1 s.
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
+)
 
 
 class SidecarError(RuntimeError):
@@ -163,6 +167,12 @@ class Transport(Protocol):
         with `ready = False`."""
         ...
 
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
+        """Rank `rank` is done with every step <= `through_step` (the sidecar may release
+        them after its retention); cumulative and idempotent. None: none yet, but from now
+        on only the rank's acknowledgements count, not its fetches."""
+        ...
+
     def report(self, report: pb.TrainerReport) -> None: ...
 
     def status(self) -> pb.StatusResponse: ...
@@ -214,6 +224,7 @@ class GrpcTransport:
             options=[
                 ("grpc.max_send_message_length", -1),
                 ("grpc.max_receive_message_length", -1),
+                *RECONNECT_CHANNEL_OPTIONS,
             ],
         )
         self._ingest = pb_grpc.RolloutIngestStub(self._channel)
@@ -261,6 +272,10 @@ class GrpcTransport:
         request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
         return self._call(self._get_batch_view, request, timeout_s=wait_s + self._call_timeout_s)
 
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
+        request = pb.AckStepsRequest(rank=rank, through_step=through_step)
+        return self._call(self._batches.AckSteps, request)
+
     def report(self, report: pb.TrainerReport) -> None:
         self._call(self._batches.ReportTrainerMetrics, report)
 
@@ -289,76 +304,9 @@ def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarEr
     return SidecarError(code, message)
 
 
-def connect_timeout(value: float | None) -> float:
-    """`value` (seconds), else the RLFEED_CONNECT_TIMEOUT_S environment variable, else
-    `DEFAULT_CONNECT_TIMEOUT_S`; must be > 0."""
-    if value is None:
-        raw = os.environ.get(ENV_CONNECT_TIMEOUT, "")
-        try:
-            value = float(raw) if raw else DEFAULT_CONNECT_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"{ENV_CONNECT_TIMEOUT}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"connect_timeout_s must be > 0, got {value}")
-    return float(value)
-
-
 def address_of(transport: Transport) -> str:
     """What to call a transport's sidecar in a message: its "host:port", else its class."""
     return str(getattr(transport, "address", "") or f"<{type(transport).__name__}>")
-
-
-class Outage:
-    """One stretch of a sidecar not answering, as a client retries a call through it.
-
-    `failed(exc)` records an UNAVAILABLE (or other `codes`) answer: the first one logs a
-    warning naming `address` at once, another follows every 10 s, and once `timeout_s`
-    have passed since the first it raises `SidecarUnreachableError` instead. Any other
-    error is re-raised as is. Retried calls must be idempotent.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float,
-        codes: frozenset[str] = frozenset({"UNAVAILABLE"}),
-    ) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.codes = codes
-        self._since: float | None = None
-        self._warned_at: float | None = None
-
-    def failed(self, exc: SidecarError) -> None:
-        if exc.code not in self.codes or isinstance(exc, SidecarUnreachableError):
-            raise exc
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        waited = now - self._since
-        if waited >= self.timeout_s:
-            error = SidecarUnreachableError(exc.code, self.address, waited, exc.message)
-            error.rollout_ids = exc.rollout_ids
-            raise error from None
-        if self._warned_at is None or now - self._warned_at >= _WARN_EVERY_S:
-            self._warned_at = now
-            _log.warning(
-                "rlfeed: the sidecar at %s does not answer (%s: %s); retrying, giving up "
-                "after %.0f s (connect_timeout_s)",
-                self.address,
-                exc.code,
-                exc.message,
-                self.timeout_s,
-            )
-
-    def call(self, fn: Callable[[], _T], pause_s: float = 0.1) -> _T:
-        """fn(), asked again every `pause_s` while it fails with one of `codes`."""
-        while True:
-            try:
-                return fn()
-            except SidecarError as exc:
-                self.failed(exc)
-            time.sleep(pause_s)
 
 
 def fast_variant(transport: Transport, plain: str, fast: str):

@@ -110,6 +110,20 @@ class GetBatchResponse(_message.Message):
     num_rollouts: int
     def __init__(self, ready: _Optional[bool] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[Microbatch, _Mapping]]] = ..., num_rollouts: _Optional[int] = ...) -> None: ...
 
+class AckStepsRequest(_message.Message):
+    __slots__ = ("rank", "through_step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    through_step: int
+    def __init__(self, rank: _Optional[int] = ..., through_step: _Optional[int] = ...) -> None: ...
+
+class AckStepsResponse(_message.Message):
+    __slots__ = ("acked_through",)
+    ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    acked_through: int
+    def __init__(self, acked_through: _Optional[int] = ...) -> None: ...
+
 class TrainerReport(_message.Message):
     __slots__ = ("step", "rank", "loss", "ratio_outlier_share", "tokens_per_second", "step_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -314,6 +314,11 @@ class BatchServingStub:
                 request_serializer=rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchRequest.SerializeToString,
                 response_deserializer=rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchResponse.FromString,
                 _registered_method=True)
+        self.AckSteps = channel.unary_unary(
+                '/rlfeed.v1.BatchServing/AckSteps',
+                request_serializer=rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsRequest.SerializeToString,
+                response_deserializer=rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsResponse.FromString,
+                _registered_method=True)
         self.ReportTrainerMetrics = channel.unary_unary(
                 '/rlfeed.v1.BatchServing/ReportTrainerMetrics',
                 request_serializer=rlfeed_dot_proto_dot_rlfeed__pb2.TrainerReport.SerializeToString,
@@ -344,8 +349,28 @@ class BatchServingServicer:
         max_wait_seconds) and then answers OK with ready = false, `step` and `rank` echoed, and
         nothing else set: poll again. When ready = true, asking again
         for the same (step, rank) returns byte-identical response bytes (trainer restarts).
-        A step released from memory answers NOT_FOUND; rank outside [0, world_size) answers
-        INVALID_ARGUMENT.
+        A step released from memory (see AckSteps) answers NOT_FOUND; rank outside
+        [0, world_size) answers INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckSteps(self, request, context):
+        """Rank `rank` is done with every step <= `through_step`: its optimizer has stepped on
+        them (fetching a step, or prefetching it, is not done). A step stays servable, byte-
+        identically, until every rank is done with it, and then while fewer than the sidecar's
+        `[batching] retained_steps` newer steps are done too, so a trainer resuming from a
+        checkpoint that many steps back is served its steps again; older ones answer NOT_FOUND.
+        Call it once per step, or as rarely as once per checkpoint (everything since is then
+        kept). Idempotent and cumulative: the rank's acknowledged step only grows, so a resent
+        or older acknowledgement changes nothing (safe to retry after UNAVAILABLE).
+        A rank that has never called AckSteps is counted done with a step once it fetched it
+        (clients that do not acknowledge); a client that acknowledges calls AckSteps without
+        `through_step` before its first GetBatch, so that its fetches never count as done.
+        INVALID_ARGUMENT: rank outside [0, world_size), or `through_step` not assembled yet
+        (>= the status' next_step; after a sidecar restart without a journal, a sign that the
+        step numbers started again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -365,6 +390,11 @@ def add_BatchServingServicer_to_server(servicer, server):
                     servicer.GetBatch,
                     request_deserializer=rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchRequest.FromString,
                     response_serializer=rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchResponse.SerializeToString,
+            ),
+            'AckSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckSteps,
+                    request_deserializer=rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsRequest.FromString,
+                    response_serializer=rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsResponse.SerializeToString,
             ),
             'ReportTrainerMetrics': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportTrainerMetrics,
@@ -412,6 +442,33 @@ class BatchServing:
             '/rlfeed.v1.BatchServing/GetBatch',
             rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchRequest.SerializeToString,
             rlfeed_dot_proto_dot_rlfeed__pb2.GetBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfeed.v1.BatchServing/AckSteps',
+            rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsRequest.SerializeToString,
+            rlfeed_dot_proto_dot_rlfeed__pb2.AckStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

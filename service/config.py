@@ -84,7 +84,11 @@ class BatchingConfig:
         "printed next to it at start-up; 0 = balance tokens only",
     )
     retained_steps: int = documented(
-        4, "steps kept for re-fetch after every rank fetched them (trainer restarts), count"
+        4,
+        "steps kept for re-fetch after every rank acknowledged them (AckSteps; BatchLoader "
+        "acknowledges a step when asked for the next one): a trainer resuming from a "
+        "checkpoint up to this many steps back is served its steps; set it to at least the "
+        "checkpoint interval, count",
     )
 
     def __post_init__(self) -> None:

@@ -109,6 +109,14 @@ class InProcessTransport:
                     return b""
                 self._cond.wait(remaining)
 
+    def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
+        with self._cond:
+            try:
+                acked = self._scheduler.ack_steps(rank, through_step)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        return pb.AckStepsResponse(acked_through=acked)
+
     def report(self, report: pb.TrainerReport) -> None:
         with self._cond:
             try:

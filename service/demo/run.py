@@ -189,6 +189,8 @@ class _DemoFleet:
 
     def __init__(self, transport, status, *, seed: int, end_step: int) -> None:
         from rlfeed.client.producer import RolloutWriter
+        from rlfeed.client.retry import RetryPolicy
+        from rlfeed.client.transport import address_of
         from rlfeed.service.demo.fleet import FleetConfig, FleetStats, SyntheticTasks
         from rlfeed.service.demo.trainer import TinyCausalLM, TinyModelConfig
 
@@ -206,11 +208,14 @@ class _DemoFleet:
         self.sampler = TinyCausalLM(TinyModelConfig(vocab_size=config.vocab_size, seed=seed))
         self.writer = RolloutWriter(transport, max_batch_rollouts=int(status.group_size) * 4)
         self.writer.register_tasks(self.tasks.task_ids)
+        # Status is asked as the writer asks: through a sidecar restart, under one policy.
+        self.retry = RetryPolicy(address_of(transport))
+        self.retry.answered = True  # `status` was: an outage now is a restart
         self.stats = FleetStats()
         self.failed = threading.Event()
 
     def ready(self) -> bool:
-        now = self.transport.status()
+        now = self.retry.call(self.transport.status)
         self.version = _trained_steps(now, self.world_size, self.start_step)
         coming = now.complete_groups / max(now.prompts_per_step, 1)  # steps' worth
         queued = now.next_step - self.version

@@ -80,6 +80,11 @@ def _batch_serving_handler(serving: BatchServing) -> grpc.GenericRpcHandler:
                 request_deserializer=pb.GetBatchRequest.FromString,
                 response_serializer=_pass_through,
             ),
+            "AckSteps": grpc.unary_unary_rpc_method_handler(
+                serving.AckSteps,
+                request_deserializer=pb.AckStepsRequest.FromString,
+                response_serializer=pb.AckStepsResponse.SerializeToString,
+            ),
             "ReportTrainerMetrics": grpc.unary_unary_rpc_method_handler(
                 serving.ReportTrainerMetrics,
                 request_deserializer=pb.TrainerReport.FromString,

@@ -15,7 +15,14 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.frontend.codec import status_to_proto
 from rlfeed.service.frontend.requests import trainer_report_of
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
-from rlfeed.service.scheduler.records import Fetch, FetchKind, FetchNote, HeldBy, StoredObject
+from rlfeed.service.scheduler.records import (
+    Fetch,
+    FetchKind,
+    FetchNote,
+    HeldBy,
+    Refused,
+    StoredObject,
+)
 
 # A waiting GetBatch re-asks the actor this often even without a local "step stored"
 # signal (a step this front-end did not store; with replicas, another front-end's).
@@ -23,7 +30,7 @@ POLL_SECONDS = 0.25
 
 
 class BatchServing:
-    """BatchServing (GetBatch, ReportTrainerMetrics) and SidecarStatus handlers."""
+    """BatchServing (GetBatch, AckSteps, ReportTrainerMetrics) and SidecarStatus handlers."""
 
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
@@ -100,7 +107,7 @@ class BatchServing:
         if fetch.kind is FetchKind.RELEASED:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"step {step} was released (every rank fetched it and retained_steps "
+                f"step {step} was released (every rank acknowledged it and retained_steps "
                 f"newer steps followed); the next step to be assembled is {fetch.value}",
             )
         return None
@@ -153,6 +160,14 @@ class BatchServing:
                     f"reached: {detail}",
                 )
         return None
+
+    @unavailable_when_ray_fails
+    def AckSteps(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
+        through_step = int(request.through_step) if request.HasField("through_step") else None
+        acked = self.frontend.scheduler.ack_steps(int(request.rank), through_step)
+        if isinstance(acked, Refused):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
+        return pb.AckStepsResponse(acked_through=acked)
 
     @unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:

@@ -296,6 +296,16 @@ class SchedulerActor:
         kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
         return Fetch(kind, self._scheduler.next_step)
 
+    def ack_steps(self, rank: int, through_step: int | None) -> int | Refused:
+        """The rank's acknowledged step afterwards, or Refused (a rank outside the world, a
+        step not assembled yet)."""
+        try:
+            acked = self._scheduler.ack_steps(rank, through_step)
+        except ValueError as exc:
+            return Refused(str(exc))
+        self._commit()
+        return acked
+
     def record_report(self, rank: int, report: dict[str, float]) -> Refused | None:
         """Refused for a rank outside the world or a negative step."""
         try:

@@ -87,6 +87,10 @@ class SchedulerClient:
     def fetch_batch(self, step: int, rank: int) -> Fetch:
         return self._after_notes("fetch_batch", step, rank)
 
+    def ack_steps(self, rank: int, through_step: int | None) -> int | Refused:
+        # After the notes: the actor sees this front-end's fetches of the steps first.
+        return self._after_notes("ack_steps", rank, through_step)
+
     def record_report(self, rank: int, report: dict[str, float]) -> Refused | None:
         return self._after_notes("record_report", rank, report)
 

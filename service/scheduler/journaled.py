@@ -182,6 +182,11 @@ class JournaledScheduler(Scheduler):
             self._record("fetch_batch", int(step), int(rank))
         return result
 
+    def ack_steps(self, rank: int, through_step: int | None) -> int:
+        acked = super().ack_steps(rank, through_step)
+        self._record("ack_steps", int(rank), through_step)
+        return acked
+
     def record_report(self, rank: int, report: dict[str, float]) -> None:
         super().record_report(rank, report)
         self._record("record_report", int(rank), {k: float(v) for k, v in report.items()})
@@ -270,6 +275,8 @@ class JournaledScheduler(Scheduler):
             self._last_stored = step
         elif method == "fetch_batch":
             Scheduler.fetch_batch(self, *args)
+        elif method == "ack_steps":
+            Scheduler.ack_steps(self, *args)
         elif method == "register_tasks":
             Scheduler.register_tasks(self, *args)
         elif method == "sample_tasks":

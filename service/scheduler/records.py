@@ -269,7 +269,7 @@ class StatusSnapshot:
     tasks_total: int
     tasks_inside_filter: int
     newest_policy_version: int
-    steps_waiting: dict[int, list[int]]  # step -> ranks that have not fetched it
+    steps_waiting: dict[int, list[int]]  # step -> ranks that neither fetched nor acked it
     counters: Counters
     last_step: StepRecord | None
     last_reports: dict[int, dict[str, float]]

@@ -41,6 +41,7 @@ from rlfeed.service.scheduler.records import (
     StepRecord,
     StepWork,
 )
+from rlfeed.service.scheduler.retention import StepRetention
 
 
 class _Row(NamedTuple):
@@ -69,6 +70,7 @@ class _Step:
     num_rollouts: int
     payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
     fetched: set[int] = field(default_factory=set)
+    done: bool = False  # every rank is done with it (`StepRetention`): released in turn
     # The ingest batches the step reads, held until its responses are stored (whichever
     # front-end materializes it, the columns must outlive that).
     reads: list[int] = field(default_factory=list)
@@ -105,7 +107,10 @@ class Scheduler:
         self._buffered_rollouts = 0
         self._buffered_bytes = 0
         self._steps: dict[int, _Step] = {}
-        self._fully_fetched: deque[int] = deque()
+        self._retention = StepRetention(config.batching.world_size, config.batching.retained_steps)
+        # Backpressure counts a step until every rank fetched it, not until it is released:
+        # fetching is what frees room, and a trainer acknowledging only at checkpoints must
+        # still be able to fetch the steps up to its next checkpoint.
         self._rollouts_in_steps = 0  # assembled, not yet fetched by every rank
         self._next_step = 0
         self._zero_dropped_since_step = 0
@@ -506,6 +511,7 @@ class Scheduler:
             response_bytes = sum(len(r) for r in responses)
         record = replace(held.record, response_bytes=int(response_bytes))
         self.step_records.append(record)
+        self._settle(step)  # every rank may have acknowledged it while it was materialized
         return record
 
     def held_steps(self, steps: list[int]) -> list[int]:
@@ -625,24 +631,16 @@ class Scheduler:
         return replace(work, record=record)  # the front-end reports the step with it
 
     def fetch_batch(self, step: int, rank: int) -> FetchResult:
-        """Rank `rank`'s stored response of `step`, and note the fetch (a state change: a
-        step fetched by every rank is released after `retained_steps` newer such steps)."""
-        world_size = self.config.batching.world_size
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        """Rank `rank`'s stored response of `step`, and note the fetch (a state change: it
+        counts towards backpressure, and for a rank that never acknowledged a step, towards
+        release; see `ack_steps`)."""
+        self._check_rank(rank)
         held = self._steps.get(step)
         if held is None or held.payloads is None:  # not planned, released, or materializing
             return FetchResult(ready=False, released=held is None and step < self._next_step)
         if rank not in held.fetched:
-            held.fetched.add(rank)
-            if len(held.fetched) == world_size:
-                self._rollouts_in_steps -= held.num_rollouts
-                self._fully_fetched.append(step)
-                while len(self._fully_fetched) > self.config.batching.retained_steps:
-                    released = self._fully_fetched.popleft()
-                    del self._steps[released]
-                    if self._released_steps is not None:
-                        self._released_steps.append(released)
+            self._served(held, rank)
+            self._settle(step)
         return FetchResult(ready=True, payload=held.payloads[rank])
 
     def first_fetch(self, step: int, rank: int) -> bool:
@@ -650,6 +648,57 @@ class Scheduler:
         stored and `rank` has not fetched it yet."""
         held = self._steps.get(step)
         return held is not None and held.payloads is not None and rank not in held.fetched
+
+    def _served(self, held: _Step, rank: int) -> None:
+        """`rank` fetched the step or acknowledged it: it waits for that rank no more (the
+        backpressure rule counts a step until no rank waits)."""
+        if rank not in held.fetched:
+            held.fetched.add(rank)
+            if len(held.fetched) == self.config.batching.world_size:
+                self._rollouts_in_steps -= held.num_rollouts
+
+    def ack_steps(self, rank: int, through_step: int | None) -> int:
+        """Rank `rank` is done with every step <= `through_step` (AckSteps; None: with none
+        yet, but from now on only its acknowledgements count, not its fetches); returns its
+        acknowledged step afterwards (-1: none). A step every rank is done with is released
+        once `retained_steps` newer ones are done too (`retention.StepRetention`).
+        Idempotent; ValueError, changing nothing, for a rank outside the world or a step
+        not assembled yet (a trainer cannot have trained it)."""
+        self._check_rank(rank)
+        if through_step is None:
+            return self._retention.ack(rank, -1)
+        if not 0 <= through_step < self._next_step:
+            raise ValueError(
+                f"acknowledgement of rank {rank}: field through_step: step {through_step} "
+                f"has not been assembled (the next step is {self._next_step}; did the sidecar "
+                "restart without a journal?)"
+            )
+        acked = self._retention.ack(rank, through_step)
+        for step in sorted(self._steps):
+            if step > acked:
+                break
+            self._served(self._steps[step], rank)  # e.g. resumed past it: never fetched
+            self._settle(step)
+        return acked
+
+    def _check_rank(self, rank: int) -> None:
+        world_size = self.config.batching.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+
+    def _settle(self, step: int) -> None:
+        """Mark a stored step done once every rank is done with it, and release the done
+        steps beyond the newest `retained_steps`."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is None or held.done:
+            return
+        if not self._retention.done_by_every_rank(step, held.fetched):
+            return
+        held.done = True
+        for released in self._retention.done(step):
+            del self._steps[released]
+            if self._released_steps is not None:
+                self._released_steps.append(released)
 
     @property
     def next_step(self) -> int:
@@ -715,6 +764,7 @@ class Scheduler:
                 step_refs(step),
                 sorted(held.fetched),
                 held.reads,
+                held.done,
             ]
             for step, held in self._steps.items()
         }
@@ -745,7 +795,8 @@ class Scheduler:
                 self._next_step,
                 self._zero_dropped_since_step,
             ],
-            "fully_fetched": list(self._fully_fetched),
+            "acked_through": self._retention.acked_through,
+            "done": self._retention.done_steps(),
             "counters": dataclasses.asdict(self.counters),
             "step_records": [dataclasses.asdict(r) for r in self.step_records],
             "last_reports": self.last_reports,
@@ -775,9 +826,10 @@ class Scheduler:
             self._closed[group_id] = (reason, ids)
             self._seen.update(ids)
         self._payloads = {int(k): [unref(ref), n] for k, (ref, n) in state["payloads"].items()}
-        for step, (record, num_rollouts, refs, fetched, reads) in state["steps"].items():
+        for step, (record, num_rollouts, refs, fetched, reads, done) in state["steps"].items():
+            handles = [unref(r) for r in refs]
             self._steps[int(step)] = _Step(
-                StepRecord(**record), num_rollouts, [unref(r) for r in refs], set(fetched), reads
+                StepRecord(**record), num_rollouts, handles, set(fetched), done, reads
             )
         (
             self._next_batch_key,
@@ -789,7 +841,9 @@ class Scheduler:
             self._next_step,
             self._zero_dropped_since_step,
         ) = state["counts"]
-        self._fully_fetched = deque(state["fully_fetched"])
+        self._retention.restore(
+            {int(rank): acked for rank, acked in state["acked_through"].items()}, state["done"]
+        )
         self.counters = Counters(**state["counters"])
         self.step_records.extend(StepRecord(**r) for r in state["step_records"])
         self.last_reports = {int(rank): report for rank, report in state["last_reports"].items()}

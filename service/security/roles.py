@@ -7,7 +7,8 @@ here fails loudly (`public_method_roles` raises) instead of being open or silent
     service          methods                               roles
     RolloutIngest    SubmitRollouts, SubmitRolloutBatch    producer, admin
     TaskSampling     RegisterTasks, SampleTasks            producer, admin
-    BatchServing     GetBatch, ReportTrainerMetrics        trainer, admin
+    BatchServing     GetBatch, AckSteps,                   trainer, admin
+                     ReportTrainerMetrics
     SidecarStatus    GetStatus                             admin
 
 The front-ends' private peer service (`rlfeed.internal.v1.FrontEndPeer`, not part of the

@@ -3,7 +3,7 @@ and in a `SidecarUnreachableError` after `connect_timeout_s`, never a silent 600
 a trainer's wrong world size is a `WorldSizeMismatchError`, not an "invalid rollouts" one.
 
 The network cases run real gRPC on loopback: a port nothing listens on, and a small gRPC
-server (the in-process sidecar behind `BatchServing/GetBatch`) stopped mid-run.
+server (the in-process sidecar, `serve_in_process`) stopped mid-run.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -26,9 +25,9 @@ from rlfeed.client.transport import (
     WorldSizeMismatchError,
     _sidecar_error,
 )
-from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.inprocess import InProcessTransport
+from rlfeed.service.inprocess_server import serve_in_process
 
 CONNECT_TIMEOUT_S = 2.0
 # Loose bounds: the error comes after the timeout, and well before the old 600 s.
@@ -82,6 +81,12 @@ def test_the_connect_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("RLFEED_CONNECT_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="RLFEED_CONNECT_TIMEOUT_S='soon'"):
         BatchLoader(dead_address(), 0, 1)
+    monkeypatch.delenv("RLFEED_CONNECT_TIMEOUT_S")
+    with RolloutWriter(dead_address()) as writer:
+        assert writer.reconnect_timeout_s == 120.0  # the default
+    monkeypatch.setenv("RLFEED_RECONNECT_TIMEOUT_S", "45")
+    with BatchLoader(dead_address(), 0, 1) as loader, RolloutWriter(dead_address()) as writer:
+        assert loader.reconnect_timeout_s == writer.reconnect_timeout_s == 45.0
 
 
 def test_a_writer_pointed_at_nothing_warns_and_fails_with_the_rollouts_to_resend(caplog):
@@ -138,37 +143,26 @@ def produce_steps(transport: InProcessTransport, steps: int) -> None:
 
 
 def serve_batches(transport: InProcessTransport) -> tuple[grpc.Server, str]:
-    """A gRPC server answering `BatchServing/GetBatch` from `transport`, on a free port."""
-
-    def get_batch(request, context):
-        try:
-            return transport.get_batch(request.step, request.rank, request.timeout_ms / 1000)
-        except SidecarError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-
-    handler = grpc.method_handlers_generic_handler(
-        "rlfeed.v1.BatchServing",
-        {
-            "GetBatch": grpc.unary_unary_rpc_method_handler(
-                get_batch,
-                request_deserializer=pb.GetBatchRequest.FromString,
-                response_serializer=pb.GetBatchResponse.SerializeToString,
-            )
-        },
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    """A gRPC server answering from `transport`, on a free port, and its address."""
+    server, port = serve_in_process(transport)
     return server, f"127.0.0.1:{port}"
 
 
-def test_a_sidecar_that_stops_mid_run_is_reported_after_the_connect_timeout(caplog):
+def test_a_sidecar_that_stops_mid_run_is_reported_after_the_reconnect_timeout(caplog):
+    """Once the sidecar has answered, an outage is waited out for `reconnect_timeout_s`
+    (a restart), not `connect_timeout_s`; the warning names the setting that applies."""
     transport = make_transport(world_size=1)
     produce_steps(transport, steps=2)
     server, address = serve_batches(transport)
     try:
-        loader = BatchLoader(address, 0, 1, prefetch=0, connect_timeout_s=CONNECT_TIMEOUT_S)
+        loader = BatchLoader(
+            address,
+            0,
+            1,
+            prefetch=0,
+            connect_timeout_s=0.1,  # would give up at once: it does not apply any more
+            reconnect_timeout_s=CONNECT_TIMEOUT_S,
+        )
         assert loader.fetch(0).step == 0
     finally:
         server.stop(0).wait()
@@ -177,6 +171,7 @@ def test_a_sidecar_that_stops_mid_run_is_reported_after_the_connect_timeout(capl
         loader.fetch(1)
     assert CONNECT_TIMEOUT_S <= time.time() - started < FAIL_WITHIN_S
     assert first_warning_after(caplog, address, started) < 1.0
+    assert "(reconnect_timeout_s)" in caplog.text
     assert caught.value.address == address
     loader.close()
 

@@ -7,6 +7,8 @@ and in `test_readme_examples.py`.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 import time
 
@@ -19,6 +21,7 @@ from rlfeed.client import loader as loader_module
 from rlfeed.client.arrow_codec import MICROBATCH_COLUMNS, _column_tensors
 from rlfeed.client.loader import BatchLoader
 from rlfeed.client.producer import RolloutWriter
+from rlfeed.client.transport import StepReleasedError
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.demo.fleet import FleetConfig, episode
@@ -30,11 +33,15 @@ GROUP_SIZE = 4
 TOKEN_BUDGET = 512
 
 
-def make_transport(**rollouts) -> InProcessTransport:
+def make_transport(retained_steps: int = 4, **rollouts) -> InProcessTransport:
     return InProcessTransport(
         config_from_dict(
             {
-                "batching": {"token_budget": TOKEN_BUDGET, "world_size": WORLD_SIZE},
+                "batching": {
+                    "token_budget": TOKEN_BUDGET,
+                    "world_size": WORLD_SIZE,
+                    "retained_steps": retained_steps,
+                },
                 "rollouts": {
                     "prompts_per_step": PROMPTS_PER_STEP,
                     "group_size": GROUP_SIZE,
@@ -358,6 +365,16 @@ def test_a_step_that_never_comes_times_out(transport):
     loader.close()
 
 
+def test_a_long_wait_for_a_step_is_never_silent(transport, monkeypatch, caplog):
+    monkeypatch.setattr(loader_module, "_STILL_WAITING_EVERY_S", 0.2)
+    loader = BatchLoader(transport, 1, WORLD_SIZE, prefetch=0, timeout_s=1.0, poll_s=0.1)
+    with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+        loader.fetch(3)
+    waits = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert 3 <= len(waits) <= 5  # one every 0.2 s of the 1 s
+    assert waits[0].startswith("rlfeed: rank 1 has waited 0 s for step 3, not assembled yet")
+
+
 def test_an_unavailable_sidecar_is_asked_again_until_the_timeout(transport):
     """A front-end leaving (or restarting) answers UNAVAILABLE: the loader asks again and
     gets the step; any other error, or UNAVAILABLE past `timeout_s`, reaches the caller."""
@@ -403,6 +420,103 @@ def test_reports_reach_the_sidecar(transport):
         for step in loader:
             loader.report(step.step, loss=0.5, ratio_outlier_share=0.0, tokens_per_second=10.0)
     assert transport.status().counters.trainer_reports == 1
+
+
+class Recording:
+    """The transport, recording what it served (SHA-256 of each ready response's bytes, in
+    order) and every acknowledgement."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.served: list[tuple[int, int, str]] = []  # (step, rank, sha256)
+        self.acks: list[tuple[int, int]] = []  # (rank, through_step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def get_batch(self, step, rank, wait_s):
+        response = self.inner.get_batch(step, rank, wait_s)
+        if response.ready:
+            digest = hashlib.sha256(response.SerializeToString()).hexdigest()
+            self.served.append((step, rank, digest))
+        return response
+
+    def ack_steps(self, rank, through_step):
+        self.acks.append((rank, through_step))
+        return self.inner.ack_steps(rank, through_step)
+
+
+def test_a_step_is_acknowledged_when_the_loop_asks_for_the_next_not_when_fetched():
+    recording = Recording(make_transport())
+    produce(recording.inner, steps=4)
+    loader = BatchLoader(recording, 0, WORLD_SIZE, prefetch=2, stop_step=4)
+    steps = iter(loader)
+    assert next(steps).step == 0
+    deadline = time.monotonic() + 10
+    while len(recording.served) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [step for step, _, _ in recording.served] == [0, 1, 2]  # prefetched two ahead
+    # Before its first fetch, the rank said it acknowledges (so fetches never count), and
+    # having fetched three steps it has trained on none yet.
+    assert recording.acks == [(0, None)]
+    assert next(steps).step == 1
+    assert recording.acks[1:] == [(0, 0)]
+    assert [step.step for step in steps] == [2, 3]
+    assert recording.acks[1:] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the last as the loop ended
+    loader.close()
+    for _ in BatchLoader(recording, 1, WORLD_SIZE, prefetch=0):
+        break  # left mid-step: that step is not done
+    assert recording.acks[5:] == [(1, None)]
+
+
+def test_without_auto_ack_the_steps_since_the_last_explicit_ack_are_kept():
+    """Acknowledging only at checkpoints: every step after the last one stays servable."""
+    transport = make_transport(retained_steps=1)
+    produce(transport, steps=4)
+    for rank in range(WORLD_SIZE):
+        with BatchLoader(transport, rank, WORLD_SIZE, auto_ack=False, stop_step=4) as loader:
+            for step in loader:
+                if step.step == 1:  # a checkpoint after step 1
+                    assert loader.ack(step.step) == 1
+            assert loader.ack(0) == 1  # cumulative: an older acknowledgement changes nothing
+    reader = BatchLoader(transport, 0, WORLD_SIZE, prefetch=0)
+    with pytest.raises(StepReleasedError):
+        reader.fetch(0)  # done by every rank, and step 1 (retained_steps = 1) is newer
+    assert [reader.fetch(step).step for step in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_a_trainer_resuming_from_a_checkpoint_ten_steps_back_is_served_its_steps():
+    """Both ranks die on step 19 (steps 0..18 trained, step 20 prefetched); rank 0 resumes
+    from its step-10 checkpoint. Released after fetching (the old rule), steps 0..10 would
+    be gone; released after acknowledgement, 9..18 (retained_steps = 10) and 19 are kept."""
+    recording = Recording(make_transport(retained_steps=10))
+    produce(recording.inner, steps=22)
+
+    def run_until_it_dies_on_step_19(rank: int) -> dict:
+        loader = BatchLoader(recording, rank, WORLD_SIZE, prefetch=1)
+        for step in loader:
+            if step.step == 9:
+                checkpoint = loader.state_dict()  # saved after step 9's optimizer step
+            if step.step == 19:
+                deadline = time.monotonic() + 10
+                while (20, rank) not in {s[:2] for s in recording.served}:
+                    assert time.monotonic() < deadline, "step 20 was never prefetched"
+                    time.sleep(0.01)
+                break
+        loader.close()
+        return checkpoint
+
+    checkpoint = run_until_it_dies_on_step_19(0)
+    run_until_it_dies_on_step_19(1)
+    assert checkpoint["next_step"] == 10
+    first_time = {step: digest for step, rank, digest in recording.served if rank == 0}
+    resumed = BatchLoader(recording, 0, WORLD_SIZE, stop_step=20)
+    resumed.load_state_dict(checkpoint)
+    assert [step.step for step in resumed] == list(range(10, 20))
+    again = {step: digest for step, rank, digest in recording.served[-10:]}
+    assert again == {step: first_time[step] for step in range(10, 20)}  # byte-identical
+    with pytest.raises(StepReleasedError):
+        resumed.fetch(8)  # beyond retained_steps behind the steps every rank acknowledged
 
 
 def test_step_release_is_reported_as_lookup_error():

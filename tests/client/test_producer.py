@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -262,6 +263,34 @@ def test_a_lasting_outage_surfaces_with_the_rollout_ids_to_resend():
         writer.flush(timeout_s=10)
     assert error.value.code == "UNAVAILABLE"
     assert error.value.rollout_ids == ("r0", "r1")
+
+
+class Restarting(Recording):
+    """A sidecar that is gone for `outages` calls and comes back without what it held (a
+    restart without a journal)."""
+
+    def restart(self, outages: int) -> None:
+        self.outages = outages
+        self.inner = make_transport()
+
+    def sample_tasks(self, n):
+        if getattr(self, "outages", 0):
+            self.outages -= 1
+            raise SidecarError("UNAVAILABLE", "restarting")
+        return self.inner.sample_tasks(n)
+
+
+def test_after_an_outage_a_writer_samples_from_the_pool_it_had_registered(caplog):
+    sidecar = Restarting(make_transport())
+    writer = RolloutWriter(sidecar, max_batch_rollouts=2)
+    assert writer.register_tasks(["t0", "t1"]) == 2
+    sidecar.restart(outages=2)
+    with caplog.at_level(logging.WARNING):
+        sampled = writer.sample_tasks(2)
+    assert len(sampled) == 2 and set(sampled) <= {"t0", "t1"}
+    assert "had lost 2 of the 2 tasks this writer registered" in caplog.text
+    assert sidecar.status().tasks_total == 2
+    writer.close()
 
 
 def test_resource_exhausted_is_retried_until_accepted(recording):

@@ -326,6 +326,34 @@ def test_get_batch_waits_for_its_step_and_answers_not_ready_after_the_timeout(
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_step_is_released_once_every_rank_acknowledged_it_not_when_fetched(
+    make_sidecar, client_for
+) -> None:
+    sidecar = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 1})
+    client = client_for(sidecar)
+    rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(6))
+    _register(client, rollouts)
+    client.submit(rollouts)
+
+    def ack(rank: int, through_step: int | None) -> int:
+        request = pb.AckStepsRequest(rank=rank, through_step=through_step)
+        return client.batches.AckSteps(request, timeout=10).acked_through
+
+    assert [ack(0, None), ack(1, None)] == [-1, -1]  # "we acknowledge": fetches do not count
+    served = {step: client.step_bytes(step, 2) for step in range(3)}  # every rank, every step
+    with pytest.raises(grpc.RpcError) as error:
+        ack(0, 3)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "through_step: step 3 has not been assembled" in error.value.details()
+    assert [ack(0, 1), ack(0, 0), ack(1, 1)] == [1, 1, 1]  # cumulative, idempotent
+    with pytest.raises(grpc.RpcError) as error:
+        client.step_bytes(0, 2)  # acknowledged by every rank, and step 1 (retained) is newer
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "every rank acknowledged it" in error.value.details()
+    # Fetched by every rank, as step 0 was: kept, byte-identical, until acknowledged.
+    assert client.step_bytes(1, 2) == served[1] and client.step_bytes(2, 2) == served[2]
+
+
 def test_health_reflection_sampling_and_trainer_reports(make_sidecar, client_for) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,

@@ -329,6 +329,106 @@ def test_released_steps_are_reported_once_each_in_release_order() -> None:
     assert untracked.take_releases() == ([], [])
 
 
+def assembled_steps(num_steps: int, **batching) -> Scheduler:
+    """A scheduler (world_size 2) with `num_steps` steps stored and nobody done with any."""
+    scheduler = make_scheduler(batching=batching, track_releases=True)
+    groups = synthetic_groups(num_groups=2 * num_steps, group_size=4, rng=np.random.default_rng(7))
+    ingest(scheduler, groups)
+    assert assemble_ready_steps(scheduler) == list(range(num_steps))
+    return scheduler
+
+
+def test_a_step_every_rank_fetched_is_kept_until_every_rank_acknowledges_it() -> None:
+    scheduler = assembled_steps(3, retained_steps=1)
+    assert scheduler.ack_steps(0, 0) == 0
+    assert scheduler.ack_steps(1, 0) == 0  # both ranks acknowledge: fetches no longer count
+    fetch_step(scheduler, 1)
+    fetch_step(scheduler, 2)  # fetched by every rank (prefetch, say), acknowledged by none
+    assert scheduler.held_steps([0, 1, 2]) == [0, 1, 2]
+    assert scheduler.ack_steps(0, 2) == 2
+    assert scheduler.held_steps([0, 1, 2]) == [0, 1, 2]  # rank 1 is still at step 0
+    assert scheduler.ack_steps(1, 1) == 1  # steps 0 and 1 done: the newest one stays
+    assert scheduler.held_steps([0, 1, 2]) == [1, 2]
+    assert scheduler.take_releases()[1] == [0]
+    assert scheduler.fetch_batch(0, 0).released
+    assert scheduler.fetch_batch(1, 1).ready
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    acks=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=12),
+    retained=st.integers(1, 3),
+)
+def test_a_step_is_held_until_retained_steps_newer_ones_are_acknowledged_by_every_rank(
+    acks: list[tuple[int, int]], retained: int
+) -> None:
+    """Whatever the order of the acknowledgements: step s is released exactly when every
+    rank acknowledged s + retained_steps (cumulative acknowledgements, resends included)."""
+    scheduler = assembled_steps(6, retained_steps=retained)
+    steps = list(range(6))
+    acked = {0: -1, 1: -1}
+    for rank, through_step in acks:
+        acked[rank] = max(acked[rank], through_step)
+        assert scheduler.ack_steps(rank, through_step) == acked[rank]
+        every_rank = min(acked.values())
+        assert scheduler.held_steps(steps) == [s for s in steps if s > every_rank - retained]
+
+
+def test_a_rank_that_never_acknowledges_is_counted_by_its_fetches() -> None:
+    """A trainer that does not acknowledge (rank 1 here) still lets steps go: its fetch
+    stands for its acknowledgement. One that says it acknowledges (rank 0, before its first
+    fetch) is never counted by its fetches."""
+    scheduler = assembled_steps(3, retained_steps=1)
+    assert scheduler.ack_steps(0, None) == -1
+    fetch_step(scheduler, 0)
+    fetch_step(scheduler, 1)
+    assert scheduler.held_steps([0, 1, 2]) == [0, 1, 2]
+    scheduler.ack_steps(0, 2)
+    assert scheduler.held_steps([0, 1, 2]) == [1, 2]  # rank 1 fetched 0 and 1
+
+
+def test_an_acknowledgement_of_a_step_not_assembled_is_refused_and_changes_nothing() -> None:
+    scheduler = assembled_steps(2, retained_steps=1)
+    with pytest.raises(ValueError, match=r"field through_step: step 2 has not been assembled"):
+        scheduler.ack_steps(0, 2)
+    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
+        scheduler.ack_steps(2, 0)
+    scheduler.ack_steps(1, 1)
+    assert scheduler.held_steps([0, 1]) == [0, 1]  # rank 0 acknowledged nothing
+
+
+def test_a_step_acknowledged_while_it_is_materialized_is_released_in_turn() -> None:
+    scheduler = make_scheduler(batching={"retained_steps": 1})
+    ingest(scheduler, synthetic_groups(num_groups=4, group_size=4, rng=np.random.default_rng(5)))
+    work = scheduler.plan_ready_steps()  # steps 0 and 1 planned, their bytes not stored yet
+    for rank in (0, 1):
+        scheduler.ack_steps(rank, 1)
+    for item in work:
+        scheduler.store_step(item.step, [b"rank 0", b"rank 1"])
+    assert scheduler.held_steps([0, 1]) == [1]
+
+
+def test_steps_fetched_or_acknowledged_do_not_hold_producers_back() -> None:
+    """Backpressure counts a step while a rank has neither fetched nor acknowledged it, not
+    until its release: a trainer acknowledging only at checkpoints must still get the steps
+    up to the next one, and one resuming past a step never fetches it."""
+    scheduler = make_scheduler(rollouts={"max_buffered_rollouts": 8})
+    rollouts = synthetic_groups(num_groups=6, group_size=4, rng=np.random.default_rng(8))
+    ingest(scheduler, rollouts, range(8))
+    assert assemble_ready_steps(scheduler) == [0]
+    with pytest.raises(BackpressureError, match="max_buffered_rollouts"):
+        ingest(scheduler, rollouts, range(8, 16))
+    for rank in (0, 1):
+        scheduler.ack_steps(rank, 0)  # acknowledged unfetched (resumed past it): room
+    ingest(scheduler, rollouts, range(8, 16))
+    assert assemble_ready_steps(scheduler) == [1]
+    with pytest.raises(BackpressureError, match="max_buffered_rollouts"):
+        ingest(scheduler, rollouts, range(16, 24))
+    fetch_step(scheduler, 1)  # fetched, not acknowledged: held for re-fetch, and room
+    assert scheduler.held_steps([1]) == [1]
+    assert ingest(scheduler, rollouts, range(16, 24)).accepted == 8
+
+
 def run_groups_through(scheduler: Scheduler, rollouts: SyntheticRollouts, rows) -> None:
     """Ingest `rows`, assemble what is ready and let every rank fetch it."""
     ingest(scheduler, rollouts, rows)

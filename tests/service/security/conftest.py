@@ -183,6 +183,10 @@ class FakeServicer(
         self.calls["GetBatch"] += 1
         return pb.GetBatchResponse()
 
+    def AckSteps(self, request, context):
+        self.calls["AckSteps"] += 1
+        return pb.AckStepsResponse()
+
     def ReportTrainerMetrics(self, request, context):
         self.calls["ReportTrainerMetrics"] += 1
         return pb.TrainerReportAck()

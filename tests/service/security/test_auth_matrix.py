@@ -34,6 +34,7 @@ ALLOWED = {
     "RegisterTasks": {"producer", "admin"},
     "SampleTasks": {"producer", "admin"},
     "GetBatch": {"trainer", "admin"},
+    "AckSteps": {"trainer", "admin"},
     "ReportTrainerMetrics": {"trainer", "admin"},
     "GetStatus": {"admin"},
 }
@@ -58,6 +59,7 @@ def call(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCo
         ),
         "SampleTasks": lambda **kw: tasks.SampleTasks(pb.SampleTasksRequest(n=1), **kw),
         "GetBatch": lambda **kw: batches.GetBatch(pb.GetBatchRequest(), **kw),
+        "AckSteps": lambda **kw: batches.AckSteps(pb.AckStepsRequest(), **kw),
         "ReportTrainerMetrics": lambda **kw: batches.ReportTrainerMetrics(pb.TrainerReport(), **kw),
         "GetStatus": lambda **kw: status.GetStatus(pb.GetStatusRequest(), **kw),
     }
