@@ -42,6 +42,7 @@ import numpy as np
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, encode_rollouts
 from rlfeed.client.transport import (
     BufferFullError,
+    FullSidecar,
     InvalidRolloutsError,
     Outage,
     SidecarError,
@@ -79,7 +80,9 @@ class RolloutWriter:
     max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
-    retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
+    retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer without the sidecar's
+      retry hint (`rlfeed-retry-after-ms`, followed when given); doubles up to 1 s. While
+      the sidecar is full a warning naming it and its bound is logged at once and every 10 s.
     connect_timeout_s: how long a batch (or a task call) is re-sent while the sidecar is
       UNAVAILABLE (or the call times out), with a warning naming the address at once and
       every 10 s, before `SidecarUnreachableError` surfaces with the batch's
@@ -360,20 +363,23 @@ class RolloutWriter:
             send = lambda: self._transport.submit(request)  # noqa: E731
         backoff = self.retry_backoff_s
         outage = self._outage()
+        full = FullSidecar(self.address, self.retry_backoff_s)
         while True:
             try:
                 return send(), None
             except InvalidRolloutsError as exc:
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
+            except BufferFullError as exc:
+                # A full sidecar is waited out for as long as it takes, at its hinted pace,
+                # with a warning at once and every 10 s.
+                time.sleep(full.pause_s(exc))
             except SidecarError as exc:
-                # A full sidecar is waited out for as long as it takes; an unreachable one
-                # for connect_timeout_s.
-                if not isinstance(exc, BufferFullError):
-                    exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
-                    try:
-                        outage.failed(exc)
-                    except SidecarError as final:
-                        return None, final
+                # An unreachable sidecar is waited out for connect_timeout_s.
+                exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
+                try:
+                    outage.failed(exc)
+                except SidecarError as final:
+                    return None, final
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 

@@ -20,6 +20,7 @@ raise `SidecarUnreachableError`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.metadata import RETRY_AFTER_MS
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 # While a sidecar stays unreachable, a warning this often (the first one at once).
 _WARN_EVERY_S = 10.0
+_MAX_FULL_PAUSE_S = 10.0  # cap on a sidecar's retry hint: never sleep long on one word
 
 _T = TypeVar("_T")
 
@@ -100,10 +103,13 @@ class SidecarUnreachableError(SidecarError, ConnectionError):
 
 
 class BufferFullError(SidecarError):
-    """No room for more rollouts (the sidecar's buffer or the writer's own bound)."""
+    """No room for more rollouts (the sidecar's buffer or the writer's own bound).
+    `retry_after_s`: the wait the sidecar suggests before sending the batch again (its
+    `rlfeed-retry-after-ms` trailing metadata), None when it gave none."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__("RESOURCE_EXHAUSTED", message)
+        self.retry_after_s = retry_after_s
 
 
 class StepReleasedError(SidecarError, LookupError):
@@ -255,10 +261,24 @@ def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarEr
     if code == "INVALID_ARGUMENT":
         return InvalidRolloutsError(message) if ingest else InvalidRequestError(message)
     if code == "RESOURCE_EXHAUSTED":
-        return BufferFullError(message)
+        return BufferFullError(message, _retry_after_s(exc))
     if code == "NOT_FOUND":
         return StepReleasedError(message)
     return SidecarError(code, message)
+
+
+def _retry_after_s(exc) -> float | None:
+    """The `rlfeed-retry-after-ms` trailing metadata of a failed call, in seconds; None
+    if absent or not a finite non-negative number."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    for key, value in (trailing() if trailing else None) or ():
+        if key == RETRY_AFTER_MS:
+            try:
+                milliseconds = float(value)
+            except ValueError:
+                return None
+            return milliseconds / 1000 if 0 <= milliseconds < math.inf else None
+    return None
 
 
 def connect_timeout(value: float | None) -> float:
@@ -331,6 +351,38 @@ class Outage:
             except SidecarError as exc:
                 self.failed(exc)
             time.sleep(pause_s)
+
+
+class FullSidecar:
+    """One stretch of a sidecar refusing a batch as full (RESOURCE_EXHAUSTED), as a writer
+    sends it again: `pause_s(exc)` says how long to wait first (the sidecar's retry hint,
+    else `backoff_s` doubling up to 1 s) and logs a warning naming `address` and the
+    sidecar's message (its bound and figures) at once and every 10 s, so a producer blocked
+    by a full sidecar is never silent."""
+
+    def __init__(self, address: str, backoff_s: float) -> None:
+        self.address = address
+        self._backoff_s = backoff_s
+        self._since: float | None = None
+        self._warned_at: float | None = None
+
+    def pause_s(self, exc: BufferFullError) -> float:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if self._warned_at is None or now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            _log.warning(
+                "rlfeed: the sidecar at %s is full and has refused this batch for %.0f s "
+                "(RESOURCE_EXHAUSTED: %s); waiting for room and sending it again",
+                self.address,
+                now - self._since,
+                exc.message,
+            )
+        if exc.retry_after_s is not None:
+            return min(exc.retry_after_s, _MAX_FULL_PAUSE_S)
+        pause, self._backoff_s = self._backoff_s, min(self._backoff_s * 2, 1.0)
+        return pause
 
 
 def fast_variant(transport: Transport, plain: str, fast: str):

@@ -71,6 +71,13 @@ class ServerConfig:
         "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
         "scheduler actor: ingest and serving use that many interpreters' worth of cores",
     )
+    max_held_response_bytes: int = documented(
+        256 * 2**20,
+        "bytes of stored steps' responses a front-end keeps in its own memory, served from "
+        "there; beyond it the oldest still held move to the Ray object store (a few large "
+        "moves down to 3/4 of it). Where they are, steps not yet fetched by every rank count "
+        "towards [rollouts] max_buffered_bytes; retained_steps fetched ones come on top",
+    )
     retained_free_mib: int = documented(
         1024,
         "MiB of free memory a heap of the front-end's process may hold at its top before "
@@ -89,6 +96,9 @@ class ServerConfig:
         _require(bool(self.metrics_host), "server", "metrics_host", "must not be empty")
         _require(self.max_message_bytes >= 1 << 20, "server", "max_message_bytes", ">= 1 MiB")
         _require(self.max_workers >= 2, "server", "max_workers", "must be >= 2")
+        _require(
+            self.max_held_response_bytes >= 0, "server", "max_held_response_bytes", "must be >= 0"
+        )
         _require(self.max_wait_seconds >= 0, "server", "max_wait_seconds", "must be >= 0")
         _require(
             0 <= self.retained_free_mib <= _MAX_RETAINED_MIB,
@@ -192,7 +202,23 @@ class RolloutsConfig:
         "waits for ranks, a batch opening a new group beyond it is refused "
         "(RESOURCE_EXHAUSTED) until they fetch; rollouts joining a group already buffered are "
         "always taken, and with no step waiting so are new groups (partial groups may then "
-        "exceed it), so a refusal never deadlocks",
+        "exceed it), so a refusal never deadlocks. Memory is bounded by max_buffered_bytes",
+    )
+    max_buffered_bytes: int = documented(
+        4 * 2**30,
+        "bound on the memory held for rollouts, bytes: the token columns (9 bytes a token) of "
+        "every ingest batch that a buffered rollout, partial groups included, still reads, "
+        "plus the responses of the steps not yet fetched by every rank (in a front-end or "
+        "the object store). A batch that would pass it is refused (RESOURCE_EXHAUSTED, with "
+        "a retry hint) while ranks fetching can make room; batches opening new groups stop "
+        "at 3/4 of it then, leaving the rest to rollouts completing buffered groups. When "
+        "nothing can come out of the buffer without more rollouts (every group partial), "
+        "the oldest open groups are expired (dropped, counted rollouts_expired) to make room, "
+        "so it cannot deadlock. Exceeded only when a step is stored, by at most that step's "
+        "responses. Must be >= [server] max_message_bytes. The default suits a 16 GiB "
+        "machine: the sidecar's own processes add about 1.5-2.5 GiB, and 4 GiB holds about "
+        "390 steps of 64 8k-token rollouts (48 of 64k tokens; responses take 21 bytes a token), "
+        "far more than max_policy_lag lets trainers use",
     )
 
     def __post_init__(self) -> None:
@@ -208,6 +234,7 @@ class RolloutsConfig:
         )
         _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
         _require(self.dedup_window_groups >= 1, "rollouts", "dedup_window_groups", "must be >= 1")
+        _require(self.max_buffered_bytes >= 1 << 20, "rollouts", "max_buffered_bytes", ">= 1 MiB")
         _require(
             self.max_buffered_rollouts >= self.prompts_per_step * self.group_size,
             "rollouts",
@@ -330,6 +357,15 @@ class SidecarConfig:
     curriculum: CurriculumSection = field(default_factory=CurriculumSection)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.rollouts.max_buffered_bytes >= self.server.max_message_bytes,
+            "rollouts",
+            "max_buffered_bytes",
+            f"must be >= [server] max_message_bytes ({self.server.max_message_bytes}): "
+            "the largest batch must fit",
+        )
 
     @property
     def model_attention_weight(self) -> float:
