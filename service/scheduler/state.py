@@ -217,12 +217,10 @@ class Scheduler:
                 f"{incoming} ({opening} opening new groups), max_buffered_rollouts = "
                 f"{rollouts.max_buffered_rollouts}; retry once trainer ranks fetch a step"
             )
-        expired = self._admit_bytes(meta, by_group, stale_groups, opening) if incoming else []
+        expired = self._admit_bytes(meta, stale_groups, opening) if incoming else []
         return stale_groups, freed, expired
 
-    def _admit_bytes(
-        self, meta: BatchMeta, by_group: dict[str, list[int]], dropping: set[str], opening: int
-    ) -> list[str]:
+    def _admit_bytes(self, meta: BatchMeta, dropping: set[str], opening: int) -> list[str]:
         """The byte bound, changing nothing: BackpressureError, or the open groups to expire
         (oldest opened first) for the batch to fit. `dropping`: the groups going stale.
 
@@ -232,10 +230,15 @@ class Scheduler:
         a batch passing the bound is refused, and one opening a new group already past 3/4
         of it, so the last quarter goes to rollouts completing buffered groups. Otherwise
         no refusal could ever end (the rollouts completing the buffered groups may sit
-        behind the refused batch), so the oldest open groups the batch does not touch are
-        expired instead: groups that never complete cannot grow memory, and the bound holds."""
+        behind the refused batch), so the oldest buffered groups are expired instead:
+        groups that never complete cannot grow memory, and the bound holds."""
         bound = self.config.rollouts.max_buffered_bytes
         batch_bytes = TOKEN_BYTES * int(meta.lengths.sum())
+        if batch_bytes > bound:  # only in process: gRPC caps a batch at max_message_bytes
+            raise BackpressureError(
+                f"a batch of {_mib(batch_bytes)} of tokens can never fit [rollouts] "
+                f"max_buffered_bytes = {_mib(bound)}: send smaller batches"
+            )
         let_go: Counter[int] = Counter()  # batch key -> its rows dropped so far
         held = self.held_bytes - self._bytes_freed(dropping, let_go)
         can_make_room = self._ranks_can_make_room(dropping)
@@ -251,19 +254,16 @@ class Scheduler:
                 f"{', new groups stop at 3/4 of it' if opening else ''}; retry once trainer "
                 "ranks fetch a step"
             )
+        # Open groups first, then complete ones (too few for a step), each oldest first; a
+        # batch's own rows of an expired group are dropped as late. Expiring them all leaves
+        # nothing held (no step waits), and a batch fits (max_message_bytes <= the bound).
         expired = []
-        for group_id in self._open:  # in opening order
+        for group_id in (*self._open, *self._complete):
             if held + batch_bytes <= bound:
                 break
-            if group_id not in by_group and group_id not in dropping:
+            if group_id not in dropping:
                 held -= self._bytes_freed([group_id], let_go)
                 expired.append(group_id)
-        if held + batch_bytes > bound:
-            raise BackpressureError(
-                f"buffer full: the batch ({_mib(batch_bytes)}) and the groups it joins or that "
-                f"wait for a step hold {_mib(held + batch_bytes)}, more than [rollouts] "
-                f"max_buffered_bytes = {_mib(bound)}: raise the bound, or send smaller batches"
-            )
         return expired
 
     def _bytes_freed(self, group_ids, let_go: Counter[int]) -> int:
@@ -349,9 +349,10 @@ class Scheduler:
         )
         for group_id in stale_groups:
             self._drop_group(group_id, "stale")
-        expired_rollouts = sum(len(self._open[group_id].rows) for group_id in expired)
+        expired_rollouts = sum(len(self._group(group_id).rows) for group_id in expired)
         for group_id in expired:
             self._drop_group(group_id, "expired")
+        dropped = stale_groups.union(expired)  # the batch's rows of these are late
         batch_key = self._next_batch_key
         self._next_batch_key += 1
         first_arrival = self._next_arrival  # arrival order = row order inside a batch
@@ -364,7 +365,7 @@ class Scheduler:
             fresh_ids = [ids[row] for row in rows]
             self._seen.update(fresh_ids)
             tokens = sum(lengths[row] for row in rows)
-            if group_id in stale_groups:  # closed above or before: its entry keeps the ids
+            if group_id in dropped:  # closed above or before: its entry keeps the ids
                 self._closed[group_id][1].extend(fresh_ids)
                 stale += len(rows)
                 stale_tokens += tokens
