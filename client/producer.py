@@ -10,10 +10,11 @@
 and submits, so generation and network overlap; with `max_in_flight` > 1, that many sender
 threads keep batches in flight together. The writer holds at most
 `max_buffered_rollouts` rollouts that the sidecar has not acknowledged (pending + queued +
-in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch with
-backoff; the writer's buffer then fills, and `write()` blocks (`on_full="block"`) or raises
-`BufferFullError` (`on_full="raise"`): backpressure reaches the producer instead of memory
-growing without bound.
+in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch at the
+pace the sidecar hints (`rlfeed-retry-after-ms`, else with backoff), logging a warning that
+names the sidecar and its bound at once and every 10 s; the writer's buffer then fills,
+and `write()` blocks (`on_full="block"`) or raises `BufferFullError` (`on_full="raise"`):
+backpressure reaches the producer instead of memory growing without bound.
 
 A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
 it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,

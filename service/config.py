@@ -212,13 +212,16 @@ class RolloutsConfig:
         "the object store). A batch that would pass it is refused (RESOURCE_EXHAUSTED, with "
         "a retry hint) while ranks fetching can make room; batches opening new groups stop "
         "at 3/4 of it then, leaving the rest to rollouts completing buffered groups. When "
-        "nothing can come out of the buffer without more rollouts (every group partial), "
-        "the oldest open groups are expired (dropped, counted rollouts_expired) to make room, "
-        "so it cannot deadlock. Exceeded only when a step is stored, by at most that step's "
-        "responses. Must be >= [server] max_message_bytes. The default suits a 16 GiB "
-        "machine: the sidecar's own processes add about 1.5-2.5 GiB, and 4 GiB holds about "
-        "390 steps of 64 8k-token rollouts (48 of 64k tokens; responses take 21 bytes a token), "
-        "far more than max_policy_lag lets trainers use",
+        "nothing can come out of the buffer without more rollouts (no step waits for a rank, "
+        "too few complete groups for one), the oldest buffered groups, open ones first, are "
+        "expired (dropped, counted rollouts_expired; their late rollouts answered as stale) "
+        "to make room, so it cannot deadlock. Taking a batch never passes it; storing the "
+        "steps the batch completes may, by their responses, until ranks fetch. Must be >= "
+        "[server] max_message_bytes. The default suits a 16 GiB machine: on top come the "
+        "idle processes (about 0.9 GiB), [server] retained_free_mib, the batches in flight "
+        "and retained_steps fetched steps; and 4 GiB holds about 390 steps of 64 8k-token "
+        "rollouts (48 of 64k tokens; responses take 21 bytes a token), far more than "
+        "max_policy_lag lets trainers use",
     )
 
     def __post_init__(self) -> None:
