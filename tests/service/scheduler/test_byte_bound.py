@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.sched.assembly import TOKEN_BYTES
+from rlfeed.service.cli.status import _text
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.errors import BackpressureError
-from rlfeed.service.frontend.codec import decode_rollout_batch
+from rlfeed.service.frontend.codec import decode_rollout_batch, status_to_proto
 from rlfeed.service.frontend.ingest import batch_meta
 from rlfeed.service.frontend.materialize import materialize_work
 from rlfeed.service.scheduler.state import Scheduler
@@ -104,6 +105,10 @@ def test_partial_groups_cannot_pass_the_bound_the_oldest_expire() -> None:
     # A late rollout of an expired group is dropped as stale, not an error.
     late = ingest(scheduler, rollouts, [1])
     assert (late.accepted, late.stale) == (0, 1)
+    # `rlfeed status` shows both.
+    shown = _text("sidecar:1", "SERVING", status_to_proto(scheduler.status(), scheduler.config))
+    assert f"expired {expired}," in shown
+    assert f"memory held      {scheduler.held_bytes / MIB:.1f} MiB of max_buffered_bytes" in shown
 
 
 def test_new_groups_stop_at_three_quarters_and_completing_rollouts_fill_the_rest() -> None:
