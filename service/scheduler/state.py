@@ -221,8 +221,8 @@ class Scheduler:
         return stale_groups, freed, expired
 
     def _admit_bytes(self, meta: BatchMeta, dropping: set[str], opening: int) -> list[str]:
-        """The byte bound, changing nothing: BackpressureError, or the open groups to expire
-        (oldest opened first) for the batch to fit. `dropping`: the groups going stale.
+        """The byte bound, changing nothing: BackpressureError, or the buffered groups to
+        expire for the batch to fit. `dropping`: the groups going stale.
 
         Counted (`held_bytes`): the token bytes of every batch a buffered rollout or an
         unstored step reads (the front-end keeps a batch's columns whole), plus the steps
