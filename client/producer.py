@@ -10,12 +10,14 @@
 and submits, so generation and network overlap; with `max_in_flight` > 1, that many sender
 threads keep batches in flight together. The writer holds at most
 `max_buffered_rollouts` rollouts that the sidecar has not acknowledged (pending + queued +
-in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch with
-backoff; the writer's buffer then fills, and `write()` blocks (`on_full="block"`) or raises
-`BufferFullError` (`on_full="raise"`): backpressure reaches the producer instead of memory
-growing without bound. A batch over the sidecar's message size limit is not retried: its
-`MessageTooLargeError` names the limit (`[server] max_message_bytes`) and the batch's
-rollout ids, and is raised the same way as a rejection.
+in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch at the
+pace the sidecar hints (`rlfeed-retry-after-ms`, else with backoff), logging a warning that
+names the sidecar and its bound at once and every 10 s; the writer's buffer then fills,
+and `write()` blocks (`on_full="block"`) or raises `BufferFullError` (`on_full="raise"`):
+backpressure reaches the producer instead of memory growing without bound. A batch over
+the sidecar's message size limit is not retried: its `MessageTooLargeError` names the limit
+(`[server] max_message_bytes`) and the batch's rollout ids, and is raised the same way as a
+rejection.
 
 A batch the sidecar rejects (INVALID_ARGUMENT) is dropped as a whole, as the server drops
 it; the `InvalidRolloutsError`, carrying the server's message and the batch's rollout ids,
@@ -50,7 +52,7 @@ from typing import Literal
 
 import numpy as np
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, encode_rollouts
-from rlfeed.client.retry import RetryPolicy
+from rlfeed.client.retry import FullSidecar, RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
     InvalidRolloutsError,
@@ -90,7 +92,9 @@ class RolloutWriter:
     max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
-    retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer; doubles up to 1 s.
+    retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer without the sidecar's
+      retry hint (`rlfeed-retry-after-ms`, followed when given); doubles up to 1 s. While
+      the sidecar is full a warning naming it and its bound is logged at once and every 10 s.
     connect_timeout_s: how long a batch (or a task call) is re-sent while a sidecar that
       has not answered yet is UNAVAILABLE (or the call times out), with a warning naming
       the address at once and every 10 s, before `SidecarUnreachableError` surfaces with
@@ -405,6 +409,7 @@ class RolloutWriter:
             send = lambda: self._transport.submit(request)  # noqa: E731
         backoff = self.retry_backoff_s
         outage = self._retry.outage()
+        full = FullSidecar(self.address, self.retry_backoff_s)
         restored = False
         while True:
             try:
@@ -415,8 +420,12 @@ class RolloutWriter:
                     restored = True  # a restarted sidecar lost the pool: it has it again
                     continue
                 return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
-            except BufferFullError:
-                outage.succeeded()  # a full sidecar is waited out for as long as it takes
+            except BufferFullError as exc:
+                # A full sidecar is waited out for as long as it takes, at its hinted pace,
+                # with a warning at once and every 10 s.
+                outage.succeeded()
+                time.sleep(full.pause_s(exc))
+                continue
             except SidecarError as exc:
                 exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
                 try:

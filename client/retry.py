@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from rlfeed.client.transport import SidecarError, SidecarUnreachableError
+from rlfeed.client.transport import BufferFullError, SidecarError, SidecarUnreachableError
 
 _log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ leaving), or the call's deadline passed with its outcome unknown."""
 # While a sidecar stays unreachable, a warning this often (the first one at once).
 WARN_EVERY_S = 10.0
 
+_MAX_FULL_PAUSE_S = 10.0  # cap on a sidecar's retry hint: never sleep long on one word
 _T = TypeVar("_T")
 
 
@@ -180,3 +181,35 @@ class Outage:
                 self.succeeded()
                 return result
             time.sleep(pause_s)
+
+
+class FullSidecar:
+    """One stretch of a sidecar refusing a batch as full (RESOURCE_EXHAUSTED), as a writer
+    sends it again: `pause_s(exc)` says how long to wait first (the sidecar's retry hint,
+    else `backoff_s` doubling up to 1 s) and logs a warning naming `address` and the
+    sidecar's message (its bound and figures) at once and every 10 s, so a producer blocked
+    by a full sidecar is never silent."""
+
+    def __init__(self, address: str, backoff_s: float) -> None:
+        self.address = address
+        self._backoff_s = backoff_s
+        self._since: float | None = None
+        self._warned_at: float | None = None
+
+    def pause_s(self, exc: BufferFullError) -> float:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            _log.warning(
+                "rlfeed: the sidecar at %s is full and has refused this batch for %.0f s "
+                "(RESOURCE_EXHAUSTED: %s); waiting for room and sending it again",
+                self.address,
+                now - self._since,
+                exc.message,
+            )
+        if exc.retry_after_s is not None:
+            return min(exc.retry_after_s, _MAX_FULL_PAUSE_S)
+        pause, self._backoff_s = self._backoff_s, min(self._backoff_s * 2, 1.0)
+        return pause

@@ -28,11 +28,13 @@ acknowledgement is cumulative.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Protocol, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.metadata import RETRY_AFTER_MS
 
 RECONNECT_CHANNEL_OPTIONS = (
     # A lost connection is tried again after 0.2 s, then at most every 1 s (gRPC defaults:
@@ -107,10 +109,13 @@ class SidecarUnreachableError(SidecarError, ConnectionError):
 
 
 class BufferFullError(SidecarError):
-    """No room for more rollouts (the sidecar's buffer or the writer's own bound)."""
+    """No room for more rollouts (the sidecar's buffer or the writer's own bound).
+    `retry_after_s`: the wait the sidecar suggests before sending the batch again (its
+    `rlfeed-retry-after-ms` trailing metadata), None when it gave none."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__("RESOURCE_EXHAUSTED", message)
+        self.retry_after_s = retry_after_s
 
 
 class MessageTooLargeError(SidecarError, ValueError):
@@ -298,10 +303,24 @@ def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarEr
         if too_large is not None:
             size, limit = (int(group or 0) for group in too_large.groups())
             return MessageTooLargeError(message, size, limit)
-        return BufferFullError(message)
+        return BufferFullError(message, _retry_after_s(exc))
     if code == "NOT_FOUND":
         return StepReleasedError(message)
     return SidecarError(code, message)
+
+
+def _retry_after_s(exc) -> float | None:
+    """The `rlfeed-retry-after-ms` trailing metadata of a failed call, in seconds; None
+    if absent or not a finite non-negative number."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    for key, value in (trailing() if trailing else None) or ():
+        if key == RETRY_AFTER_MS:
+            try:
+                milliseconds = float(value)
+            except ValueError:
+                return None
+            return milliseconds / 1000 if 0 <= milliseconds < math.inf else None
+    return None
 
 
 def address_of(transport: Transport) -> str:

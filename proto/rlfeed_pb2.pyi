@@ -197,7 +197,7 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_groups: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., policy_token_count: _Optional[int] = ..., real_tokens: _Optional[int] = ..., computed_positions: _Optional[int] = ..., padded_positions: _Optional[int] = ..., rank_imbalance: _Optional[float] = ..., lockstep_efficiency: _Optional[float] = ..., microbatches_per_rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., zero_advantage_groups_dropped: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., largest_microbatch_positions: _Optional[int] = ..., response_bytes: _Optional[int] = ..., compute_rank_imbalance: _Optional[float] = ..., compute_lockstep_efficiency: _Optional[float] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("rollouts_received", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale", "batches_rejected", "zero_advantage_groups", "zero_advantage_rollouts_dropped", "steps_assembled", "rollouts_trained", "policy_tokens_assembled", "trainer_reports", "tasks_sampled", "revisits_sampled", "tasks_requested", "rollouts_saved_by_filter")
+    __slots__ = ("rollouts_received", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale", "batches_rejected", "zero_advantage_groups", "zero_advantage_rollouts_dropped", "steps_assembled", "rollouts_trained", "policy_tokens_assembled", "trainer_reports", "tasks_sampled", "revisits_sampled", "tasks_requested", "rollouts_saved_by_filter", "rollouts_expired")
     ROLLOUTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class Counters(_message.Message):
     REVISITS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     TASKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_SAVED_BY_FILTER_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     rollouts_received: int
     rollouts_accepted: int
     rollouts_duplicate: int
@@ -228,10 +229,11 @@ class Counters(_message.Message):
     revisits_sampled: int
     tasks_requested: int
     rollouts_saved_by_filter: int
-    def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ..., tasks_requested: _Optional[int] = ..., rollouts_saved_by_filter: _Optional[int] = ...) -> None: ...
+    rollouts_expired: int
+    def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ..., tasks_requested: _Optional[int] = ..., rollouts_saved_by_filter: _Optional[int] = ..., rollouts_expired: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends", "notes_refused")
+    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends", "notes_refused", "held_bytes", "max_buffered_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,8 @@ class StatusResponse(_message.Message):
     OPEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     FRONT_ENDS_FIELD_NUMBER: _ClassVar[int]
     NOTES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     next_step: int
     buffered_rollouts: int
@@ -272,4 +276,6 @@ class StatusResponse(_message.Message):
     open_groups: int
     front_ends: int
     notes_refused: int
-    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ..., notes_refused: _Optional[int] = ...) -> None: ...
+    held_bytes: int
+    max_buffered_bytes: int
+    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ..., notes_refused: _Optional[int] = ..., held_bytes: _Optional[int] = ..., max_buffered_bytes: _Optional[int] = ...) -> None: ...

@@ -143,7 +143,26 @@ class RolloutsConfig:
         "waits for ranks, a batch opening a new group beyond it is refused "
         "(RESOURCE_EXHAUSTED) until they fetch; rollouts joining a group already buffered are "
         "always taken, and with no step waiting so are new groups (partial groups may then "
-        "exceed it), so a refusal never deadlocks",
+        "exceed it), so a refusal never deadlocks. Memory is bounded by max_buffered_bytes",
+    )
+    max_buffered_bytes: int = documented(
+        4 * 2**30,
+        "bound on the memory held for rollouts, bytes: the token columns (9 bytes a token) of "
+        "every ingest batch that a buffered rollout, partial groups included, still reads, "
+        "plus the responses of the steps not yet fetched by every rank (in a front-end or "
+        "the object store). A batch that would pass it is refused (RESOURCE_EXHAUSTED, with "
+        "a retry hint) while ranks fetching can make room; batches opening new groups stop "
+        "at 3/4 of it then, leaving the rest to rollouts completing buffered groups. When "
+        "nothing can come out of the buffer without more rollouts (no step waits for a rank, "
+        "too few complete groups for one), the oldest buffered groups, open ones first, are "
+        "expired (dropped, counted rollouts_expired; their late rollouts answered as stale) "
+        "to make room, so it cannot deadlock. Taking a batch never passes it; storing the "
+        "steps the batch completes may, by their responses, until ranks fetch. Must be >= "
+        "[server] max_message_bytes. The default suits a 16 GiB machine: on top come the "
+        "idle processes (about 0.9 GiB), [server] retained_free_mib, the batches in flight "
+        "and retained_steps fetched steps; and 4 GiB holds about 390 steps of 64 8k-token "
+        "rollouts (48 of 64k tokens; responses take 21 bytes a token), far more than "
+        "max_policy_lag lets trainers use",
     )
 
     def __post_init__(self) -> None:
@@ -159,6 +178,7 @@ class RolloutsConfig:
         )
         _require(self.vocab_size >= 0, "rollouts", "vocab_size", "must be >= 0")
         _require(self.dedup_window_groups >= 1, "rollouts", "dedup_window_groups", "must be >= 1")
+        _require(self.max_buffered_bytes >= 1 << 20, "rollouts", "max_buffered_bytes", ">= 1 MiB")
         _require(
             self.max_buffered_rollouts >= self.prompts_per_step * self.group_size,
             "rollouts",
@@ -282,6 +302,15 @@ class SidecarConfig:
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.rollouts.max_buffered_bytes >= self.server.max_message_bytes,
+            "rollouts",
+            "max_buffered_bytes",
+            f"must be >= [server] max_message_bytes ({self.server.max_message_bytes}): "
+            "the largest batch must fit",
+        )
 
     @property
     def model_attention_weight(self) -> float:

@@ -36,6 +36,11 @@ class BackpressureError(RuntimeError):
     """The buffer is full; the batch was not taken. Retry later."""
 
     reason = RejectReason.BUFFER_FULL
+    # The wait suggested to the producer (`rlfeed-retry-after-ms`). Room comes back when a
+    # trainer rank fetches a step (seconds apart); each retry costs the front-end a decode
+    # and validation of the batch, so retrying faster only burns its CPU, and a writer
+    # that follows the hint resumes at most this late.
+    retry_after_s = 0.5
 
 
 def rollout_error(

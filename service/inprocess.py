@@ -59,7 +59,7 @@ class InProcessTransport:
                 result = self._scheduler.ingest_batch(batch_meta(arrays), arrays.columns)
             except BackpressureError as exc:
                 self._scheduler.record_rejection()
-                raise BufferFullError(str(exc)) from None
+                raise BufferFullError(str(exc), retry_after_s=exc.retry_after_s) from None
             except InvalidBatchError as exc:
                 self._scheduler.record_rejection()
                 raise InvalidRolloutsError(str(exc)) from None

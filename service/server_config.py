@@ -148,6 +148,13 @@ class ServerConfig:
         "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
         "scheduler actor: ingest and serving use that many interpreters' worth of cores",
     )
+    max_held_response_bytes: int = _f(
+        256 * 2**20,
+        "bytes of stored steps' responses a front-end keeps in its own memory, served from "
+        "there; beyond it the oldest still held move to the Ray object store (a few large "
+        "moves down to 3/4 of it). Where they are, steps not yet fetched by every rank count "
+        "towards [rollouts] max_buffered_bytes; retained_steps fetched ones come on top",
+    )
     retained_free_mib: int = _f(
         1024,
         "MiB of free memory a heap of the front-end's process may hold at its top before "
@@ -164,6 +171,7 @@ class ServerConfig:
         _require(bool(self.metrics_host), "metrics_host", "must not be empty")
         _require(self.max_message_bytes >= 1 << 20, "max_message_bytes", ">= 1 MiB")
         _require(self.max_wait_seconds >= 0, "max_wait_seconds", "must be >= 0")
+        _require(self.max_held_response_bytes >= 0, "max_held_response_bytes", "must be >= 0")
         _require(
             0 <= self.retained_free_mib <= _MAX_RETAINED_MIB,
             "retained_free_mib",

@@ -69,6 +69,8 @@ def status_text(address: str, health: str, status) -> str:
         f"  front-ends       {status.front_ends}",
         f"  buffered         {status.buffered_rollouts} rollouts, {_mib(status.buffered_bytes)} "
         f"({status.open_groups} open groups, {status.complete_groups} complete)",
+        f"  memory held      {_mib(status.held_bytes)} of max_buffered_bytes "
+        f"{_mib(status.max_buffered_bytes)} (batches buffered rollouts read, unfetched steps)",
         f"  tasks            {status.tasks_total}: {status.tasks_inside_filter} inside the "
         f"filter, {status.tasks_outside_filter} outside",
         f"  policy version   newest {status.newest_policy_version}",
@@ -90,7 +92,8 @@ def status_text(address: str, health: str, status) -> str:
     lines.append(
         f"  rollouts         received {counters.rollouts_received}, accepted "
         f"{counters.rollouts_accepted}, duplicate {counters.rollouts_duplicate}, stale "
-        f"{counters.rollouts_stale}, trained {counters.rollouts_trained}; rejected batches "
+        f"{counters.rollouts_stale}, expired {counters.rollouts_expired}, trained "
+        f"{counters.rollouts_trained}; rejected batches "
         f"{counters.batches_rejected}"
     )
     lines.append(

@@ -359,6 +359,8 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
         open_groups=snapshot.open_groups,
         front_ends=snapshot.front_ends,
         notes_refused=snapshot.notes_refused,
+        held_bytes=snapshot.held_bytes,
+        max_buffered_bytes=config.rollouts.max_buffered_bytes,
         tasks_total=snapshot.tasks_total,
         tasks_inside_filter=snapshot.tasks_inside_filter,
         tasks_outside_filter=snapshot.tasks_total - snapshot.tasks_inside_filter,

@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto.metadata import RETRY_AFTER_MS
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason
 from rlfeed.service.frontend.assembler import StepAssembler
@@ -125,6 +126,9 @@ class RolloutIngest:
     ) -> None:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
         self.frontend.events.on_reject(error, rollouts=rollouts, tokens=tokens)
+        if isinstance(error, BackpressureError):
+            retry_after_ms = str(round(error.retry_after_s * 1000))
+            context.set_trailing_metadata(((RETRY_AFTER_MS, retry_after_ms),))
         context.abort(code, str(error))
 
     def _ingest(self, arrays: RolloutBatchArrays, payload: bytes | memoryview) -> IngestReply:

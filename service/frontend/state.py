@@ -25,9 +25,6 @@ from rlfeed.service.replicas.peers import PeerClient
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import HeldBy
 
-# Steps this front-end materialized stay in its memory, and are served from there, up to
-# this size; beyond it the oldest steps the actor still holds move to the object store.
-RESPONSE_CACHE_BYTES = 256 * 2**20
 # How many other front-ends' step announcements a front-end remembers.
 _ANNOUNCEMENTS_KEPT = 1024
 
@@ -147,7 +144,9 @@ class FrontendState:
             peer_token=self.peer_token,
         )
         self.payloads = LocalPayloads()
-        self.responses = ResponseCache(RESPONSE_CACHE_BYTES)
+        # Steps this front-end materialized are served from its memory up to this size;
+        # beyond it the oldest ones the actor still holds move to the object store.
+        self.responses = ResponseCache(config.server.max_held_response_bytes)
         self.signals = StepSignals()
         self.gate = AdmissionGate()
         # Held from queueing a step's StoreStepNote until its responses are in the cache, so

@@ -50,6 +50,7 @@ class MetricsEvents(ServerEvents):
             duplicate=result.duplicate,
             stale=result.stale + result.stale_buffered,
             stale_tokens=result.stale_tokens,
+            expired=result.expired,
             ack_seconds=seconds,
             buffered_rollouts=result.buffered_rollouts,
             newest_policy_version=result.newest_policy_version,

@@ -113,6 +113,11 @@ class MetricFamilies:
             "rlfeed_ingest_rollouts_stale", "Rollouts dropped as older than max_policy_lag."
         )
         self.tokens_stale = counter("rlfeed_ingest_tokens_stale", "Tokens of those.")
+        self.rollouts_expired = counter(
+            "rlfeed_ingest_rollouts_expired",
+            "Buffered rollouts dropped with their group, oldest first, to stay under "
+            "max_buffered_bytes when no step could come out of the buffer.",
+        )
         self.ack_latency = Histogram(
             "rlfeed_ingest_ack_latency_seconds",
             "From receiving a rollout batch to its ack.",
@@ -121,6 +126,11 @@ class MetricFamilies:
         )
         self.buffered_rollouts = gauge("rlfeed_buffered_rollouts", "Accepted, not yet in a step.")
         self.buffered_bytes = gauge("rlfeed_buffered_bytes", "Token payload bytes buffered.")
+        self.held_bytes = gauge(
+            "rlfeed_held_bytes",
+            "Bytes counted against max_buffered_bytes: ingest batches that buffered rollouts "
+            "read, and the responses of steps not yet fetched by every rank.",
+        )
         self.newest_policy_version = gauge(
             "rlfeed_newest_policy_version", "Newest policy version seen in a rollout."
         )

@@ -112,6 +112,7 @@ class SidecarMetrics:
         duplicate: int = 0,
         stale: int = 0,
         stale_tokens: int = 0,
+        expired: int = 0,
         ack_seconds: float | None = None,
         buffered_rollouts: int | None = None,
         buffered_bytes: int | None = None,
@@ -125,6 +126,7 @@ class SidecarMetrics:
             m.tokens_accepted.inc(accepted_tokens)
         m.rollouts_duplicate.inc(duplicate)
         self.on_stale(rollouts=stale, tokens=stale_tokens)
+        m.rollouts_expired.inc(expired)
         if ack_seconds is not None:
             m.ack_latency.observe(ack_seconds)
         if buffered_rollouts is not None:
@@ -152,6 +154,7 @@ class SidecarMetrics:
         m = self.families
         m.buffered_rollouts.set(snapshot.buffered_rollouts)
         m.buffered_bytes.set(snapshot.buffered_bytes)
+        m.held_bytes.set(snapshot.held_bytes)
         m.newest_policy_version.set(snapshot.newest_policy_version)
         self.on_curriculum(
             tasks_inside=snapshot.tasks_inside_filter,

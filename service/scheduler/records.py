@@ -78,6 +78,9 @@ class IngestResult:
     # newest policy version moved on); `stale` counts this batch's own stale rollouts.
     stale_buffered: int = 0
     stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
+    # Rollouts of earlier batches dropped by this call with their open group, the oldest,
+    # to keep memory under max_buffered_bytes (`Scheduler._admit_bytes`).
+    expired: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,7 @@ class Counters:
     tasks_requested: int = 0
     tasks_sampled: int = 0
     revisits_sampled: int = 0
+    rollouts_expired: int = 0  # dropped with their open group for max_buffered_bytes
 
 
 @dataclass(frozen=True)
@@ -277,5 +281,6 @@ class StatusSnapshot:
     # groups'), and closed groups remembered (at most `dedup_window_groups`).
     remembered_rollout_ids: int = 0
     remembered_closed_groups: int = 0
+    held_bytes: int = 0  # counted against max_buffered_bytes (`Scheduler.held_bytes`)
     front_ends: int = 0  # registered with the scheduler actor (set by the actor)
     notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)

@@ -11,7 +11,7 @@ metadata and an opaque handle of the batch's columns (`BatchHandle` in the sidec
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -68,6 +68,9 @@ class _Group:
 class _Step:
     record: StepRecord
     num_rollouts: int
+    # Counted against max_buffered_bytes until every rank fetched it: its token bytes while
+    # it is planned (its batches are held too), its response bytes once stored.
+    nbytes: int
     payloads: list[Any] | None = None  # per rank, once materialized: bytes or a handle
     fetched: set[int] = field(default_factory=set)
     done: bool = False  # every rank is done with it (`StepRetention`): released in turn
@@ -94,13 +97,16 @@ class Scheduler:
         self._pass_rates = init_pass_rates(0, self._curriculum)
         # Idempotency memory. `_seen` holds the rollout ids of every buffered group (exactly)
         # and of the closed groups in `_closed`: group id -> (reason, its rollout ids), reason
-        # "stale" | "assembled" | "zero_advantage", in closing order and at most
+        # "stale" | "expired" | "assembled" | "zero_advantage", in closing order and at most
         # `dedup_window_groups` of them (oldest forgotten first), so memory stays bounded.
         self._seen: set[str] = set()
         self._open: dict[str, _Group] = {}
         self._complete: OrderedDict[str, _Group] = OrderedDict()
         self._closed: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
-        self._payloads: dict[int, list] = {}  # batch key -> [handle, live rollouts]
+        # batch key -> [handle, holders (buffered rollouts + unstored steps), token bytes]
+        self._payloads: dict[int, list] = {}
+        self._payload_bytes = 0  # token bytes of the batches in `_payloads`
+        self._step_bytes = 0  # `_Step.nbytes` of the steps not yet fetched by every rank
         self._next_batch_key = 0
         self._next_arrival = 0
         self._newest_version = config.rollouts.initial_policy_version  # -1: none seen yet
@@ -164,10 +170,11 @@ class Scheduler:
         over group_size or spanning two tasks, policy_version too far ahead) or
         BackpressureError leave no trace.
 
-        Backpressure (see `RolloutsConfig.max_buffered_rollouts`): the batch is refused only
-        if it opens a new group, the rollouts buffered or in unfetched steps plus the batch's
-        would exceed the bound, and ranks fetching can make room. A batch whose rollouts all
-        join groups already buffered is always taken, so buffered groups can always complete.
+        Backpressure, two bounds (see `RolloutsConfig`): in rollouts, the batch is refused
+        only if it opens a new group, the rollouts buffered or in unfetched steps plus the
+        batch's would exceed `max_buffered_rollouts`, and ranks fetching can make room. In
+        bytes (`max_buffered_bytes`, `_admit_bytes`): refused while ranks can make room,
+        else taken by expiring the oldest open groups; never exceeded by taking a batch.
 
         The work is per group of the batch, not per rollout, wherever it can be: this is
         the actor's hot path (one call per batch, all producers).
@@ -180,15 +187,16 @@ class Scheduler:
                 by_group.setdefault(group_id, []).append(row)
         versions = meta.policy_versions.tolist()
         newest = max([self._newest_version] + [versions[r] for g in by_group.values() for r in g])
-        stale_groups, freed = self._admit(meta, versions, by_group, newest)
-        return self._apply(meta, versions, payload, by_group, newest, stale_groups, freed)
+        stale_groups, freed, expired = self._admit(meta, versions, by_group, newest)
+        return self._apply(meta, versions, payload, by_group, newest, stale_groups, freed, expired)
 
     def _admit(
         self, meta: BatchMeta, versions: list[int], by_group: dict[str, list[int]], newest: int
-    ) -> tuple[set[str], int]:
+    ) -> tuple[set[str], int, list[str]]:
         """Check the batch's fresh rows against the state, changing nothing: raises what
         `ingest_batch` refuses with; returns the groups that go stale (the batch's own and
-        buffered ones the newest version leaves behind) and the buffered rollouts they free.
+        buffered ones the newest version leaves behind), the buffered rollouts they free and
+        the open groups to expire for the batch to fit in `max_buffered_bytes`.
         `versions` is `meta.policy_versions` as a list, converted once per batch."""
         rollouts = self.config.rollouts
         ids, tasks = meta.rollout_ids, meta.task_ids
@@ -227,7 +235,73 @@ class Scheduler:
                 f"{incoming} ({opening} opening new groups), max_buffered_rollouts = "
                 f"{rollouts.max_buffered_rollouts}; retry once trainer ranks fetch a step"
             )
-        return stale_groups, freed
+        expired = self._admit_bytes(meta, stale_groups, opening) if incoming else []
+        return stale_groups, freed, expired
+
+    def _admit_bytes(self, meta: BatchMeta, dropping: set[str], opening: int) -> list[str]:
+        """The byte bound, changing nothing: BackpressureError, or the buffered groups to
+        expire for the batch to fit. `dropping`: the groups going stale.
+
+        Counted (`held_bytes`): the token bytes of every batch a buffered rollout or an
+        unstored step reads (the front-end keeps a batch's columns whole), plus the steps
+        not yet fetched by every rank. While fetching can make room (`_ranks_can_make_room`)
+        a batch passing the bound is refused, and one opening a new group already past 3/4
+        of it, so the last quarter goes to rollouts completing buffered groups. Otherwise
+        no refusal could ever end (the rollouts completing the buffered groups may sit
+        behind the refused batch), so the oldest buffered groups are expired instead:
+        groups that never complete cannot grow memory, and the bound holds."""
+        bound = self.config.rollouts.max_buffered_bytes
+        batch_bytes = TOKEN_BYTES * int(meta.lengths.sum())
+        if batch_bytes > bound:  # only in process: gRPC caps a batch at max_message_bytes
+            raise BackpressureError(
+                f"a batch of {_mib(batch_bytes)} of tokens can never fit [rollouts] "
+                f"max_buffered_bytes = {_mib(bound)}: send smaller batches"
+            )
+        let_go: Counter[int] = Counter()  # batch key -> its rows dropped so far
+        held = self.held_bytes - self._bytes_freed(dropping, let_go)
+        can_make_room = self._ranks_can_make_room(dropping)
+        limit = bound * 3 // 4 if opening and can_make_room else bound
+        if held + batch_bytes <= limit:
+            return []
+        if can_make_room:
+            raise BackpressureError(
+                f"buffer full: {_mib(held)} held for rollouts ({_mib(self._step_bytes)} of it "
+                f"in steps not yet fetched by every rank), the batch adds {_mib(batch_bytes)}"
+                f"{f' ({opening} rollouts opening new groups)' if opening else ''}; "
+                f"[rollouts] max_buffered_bytes = {_mib(bound)}"
+                f"{', new groups stop at 3/4 of it' if opening else ''}; retry once trainer "
+                "ranks fetch a step"
+            )
+        # Open groups first, then complete ones (too few for a step), each oldest first; a
+        # batch's own rows of an expired group are dropped as late. Expiring them all leaves
+        # nothing held (no step waits), and a batch fits (max_message_bytes <= the bound).
+        expired = []
+        for group_id in (*self._open, *self._complete):
+            if held + batch_bytes <= bound:
+                break
+            if group_id not in dropping:
+                held -= self._bytes_freed([group_id], let_go)
+                expired.append(group_id)
+        return expired
+
+    def _bytes_freed(self, group_ids, let_go: Counter[int]) -> int:
+        """Token bytes of the batches that dropping the buffered groups among `group_ids`
+        would release (a query). `let_go` counts each batch's rows dropped so far and is
+        updated, so that successive calls add up."""
+        freed = 0
+        for group_id in group_ids:
+            group = self._group(group_id)
+            for row in group.rows if group else ():
+                let_go[row.batch_key] += 1
+                entry = self._payloads[row.batch_key]
+                if let_go[row.batch_key] == entry[1]:
+                    freed += entry[2]
+        return freed
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes counted against `max_buffered_bytes` (see `_admit_bytes`)."""
+        return self._payload_bytes + self._step_bytes
 
     def _goes_stale(
         self,
@@ -252,7 +326,7 @@ class Scheduler:
                     reason=RejectReason.GROUP_OVERFLOW,
                 )
         closed = self._closed.get(group_id, (None,))[0]
-        if closed == "stale":
+        if closed in ("stale", "expired"):  # late rollouts of a dropped group
             return True
         if closed is not None or group_id in self._complete:
             raise rollout_error(
@@ -282,9 +356,10 @@ class Scheduler:
         newest: int,
         stale_groups: set[str],
         freed: int,
+        expired: list[str],
     ) -> IngestResult:
-        """Buffer the admitted batch: drop the stale groups, add the fresh rows, complete
-        the groups that reached group_size."""
+        """Buffer the admitted batch: drop the stale and expired groups, add the fresh rows,
+        complete the groups that reached group_size."""
         ids, tasks, n = meta.rollout_ids, meta.task_ids, len(meta.rollout_ids)
         self._newest_version = newest
         stale_tokens = sum(
@@ -292,6 +367,10 @@ class Scheduler:
         )
         for group_id in stale_groups:
             self._drop_group(group_id, "stale")
+        expired_rollouts = sum(len(self._group(group_id).rows) for group_id in expired)
+        for group_id in expired:
+            self._drop_group(group_id, "expired")
+        dropped = stale_groups.union(expired)  # the batch's rows of these are late
         batch_key = self._next_batch_key
         self._next_batch_key += 1
         first_arrival = self._next_arrival  # arrival order = row order inside a batch
@@ -304,7 +383,7 @@ class Scheduler:
             fresh_ids = [ids[row] for row in rows]
             self._seen.update(fresh_ids)
             tokens = sum(lengths[row] for row in rows)
-            if group_id in stale_groups:  # closed above or before: its entry keeps the ids
+            if group_id in dropped:  # closed above or before: its entry keeps the ids
                 self._closed[group_id][1].extend(fresh_ids)
                 stale += len(rows)
                 stale_tokens += tokens
@@ -331,7 +410,8 @@ class Scheduler:
                 completed.append((rows[-1], group_id))
         self._buffered_rollouts += accepted
         if accepted:
-            self._payloads[batch_key] = [payload, accepted]
+            self._payloads[batch_key] = [payload, accepted, TOKEN_BYTES * sum(lengths)]
+            self._payload_bytes += self._payloads[batch_key][2]
         fresh = sum(map(len, by_group.values()))
         self.counters.rollouts_received += n
         self.counters.rollouts_accepted += accepted
@@ -349,6 +429,7 @@ class Scheduler:
             accepted_tokens=accepted_tokens,
             stale_buffered=freed,
             stale_tokens=stale_tokens,
+            expired=expired_rollouts,
         )
 
     def _check_version_jump(self, meta: BatchMeta, by_group: dict[str, list[int]]) -> None:
@@ -409,6 +490,7 @@ class Scheduler:
         entry[1] -= 1
         if entry[1] == 0:
             del self._payloads[batch_key]
+            self._payload_bytes -= entry[2]
             if self._released is not None:
                 self._released.append(entry[0])
 
@@ -430,11 +512,14 @@ class Scheduler:
             self._release_rows(group.rows)
             if reason == "stale":
                 self.counters.rollouts_stale += len(group.rows)
+            elif reason == "expired":
+                self.counters.rollouts_expired += len(group.rows)
         self._close(group_id, reason, group.rows if group else [])
 
     def _close(self, group_id: str, reason: str, rows: list[_Row]) -> None:
         """Remember a closed group and its rollout ids (a group closed before keeps its place
-        in the window and its reason: only a stale group closes again, for late rollouts)."""
+        in the window and its reason: only a stale or expired group closes again, for late
+        rollouts)."""
         if group_id not in self._closed:
             self._closed[group_id] = (reason, [])
         self._closed[group_id][1].extend(row.rollout_id for row in rows)
@@ -509,6 +594,8 @@ class Scheduler:
         held.reads = []
         if response_bytes is None:
             response_bytes = sum(len(r) for r in responses)
+        self._step_bytes += int(response_bytes) - held.nbytes  # no rank can have fetched it
+        held.nbytes = int(response_bytes)
         record = replace(held.record, response_bytes=int(response_bytes))
         self.step_records.append(record)
         self._settle(step)  # every rank may have acknowledged it while it was materialized
@@ -621,8 +708,10 @@ class Scheduler:
             zero_advantage_groups_dropped=self._zero_dropped_since_step,
             policy_versions=plan.policy_version_range(versions),
         )
-        self._steps[step] = _Step(record=record, num_rollouts=len(rows), reads=reads)
+        nbytes = TOKEN_BYTES * int(step_rollouts.lengths.sum())
+        self._steps[step] = _Step(record=record, num_rollouts=len(rows), nbytes=nbytes, reads=reads)
         self._rollouts_in_steps += len(rows)
+        self._step_bytes += nbytes
         self._next_step += 1
         self._zero_dropped_since_step = 0
         self.counters.steps_assembled += 1
@@ -656,6 +745,7 @@ class Scheduler:
             held.fetched.add(rank)
             if len(held.fetched) == self.config.batching.world_size:
                 self._rollouts_in_steps -= held.num_rollouts
+                self._step_bytes -= held.nbytes
 
     def ack_steps(self, rank: int, through_step: int | None) -> int:
         """Rank `rank` is done with every step <= `through_step` (AckSteps; None: with none
@@ -725,6 +815,7 @@ class Scheduler:
             next_step=self._next_step,
             buffered_rollouts=self._buffered_rollouts,
             buffered_bytes=self._buffered_bytes,
+            held_bytes=self.held_bytes,
             open_groups=len(self._open),
             complete_groups=len(self._complete),
             tasks_total=len(self._task_ids),
@@ -756,11 +847,12 @@ class Scheduler:
         is not stored yet (its work exists only in memory) or a handle has no reference."""
         if any(held.payloads is None for held in self._steps.values()):
             return None
-        payloads = {key: [batch_ref(entry[0]), entry[1]] for key, entry in self._payloads.items()}
+        payloads = {key: [batch_ref(entry[0]), *entry[1:]] for key, entry in self._payloads.items()}
         steps = {
             step: [
                 dataclasses.asdict(held.record),
                 held.num_rollouts,
+                held.nbytes,
                 step_refs(step),
                 sorted(held.fetched),
                 held.reads,
@@ -768,7 +860,7 @@ class Scheduler:
             ]
             for step, held in self._steps.items()
         }
-        refs = [v[0] for v in payloads.values()] + [v[2] for v in steps.values()]
+        refs = [v[0] for v in payloads.values()] + [v[3] for v in steps.values()]
         if any(ref is None for ref in refs):
             return None
         rates = self._pass_rates
@@ -785,16 +877,7 @@ class Scheduler:
             "closed": [[g, reason, ids] for g, (reason, ids) in self._closed.items()],
             "payloads": payloads,
             "steps": steps,
-            "counts": [
-                self._next_batch_key,
-                self._next_arrival,
-                self._newest_version,
-                self._buffered_rollouts,
-                self._buffered_bytes,
-                self._rollouts_in_steps,
-                self._next_step,
-                self._zero_dropped_since_step,
-            ],
+            "counts": {name: getattr(self, name) for name in _COUNTS},
             "acked_through": self._retention.acked_through,
             "done": self._retention.done_steps(),
             "counters": dataclasses.asdict(self.counters),
@@ -825,28 +908,38 @@ class Scheduler:
         for group_id, reason, ids in state["closed"]:
             self._closed[group_id] = (reason, ids)
             self._seen.update(ids)
-        self._payloads = {int(k): [unref(ref), n] for k, (ref, n) in state["payloads"].items()}
-        for step, (record, num_rollouts, refs, fetched, reads, done) in state["steps"].items():
+        self._payloads = {
+            int(k): [unref(ref), *rest] for k, (ref, *rest) in state["payloads"].items()
+        }
+        for step, values in state["steps"].items():
+            record, num_rollouts, nbytes, refs, fetched, reads, done = values
             handles = [unref(r) for r in refs]
             self._steps[int(step)] = _Step(
-                StepRecord(**record), num_rollouts, handles, set(fetched), done, reads
+                StepRecord(**record), num_rollouts, nbytes, handles, set(fetched), done, reads
             )
-        (
-            self._next_batch_key,
-            self._next_arrival,
-            self._newest_version,
-            self._buffered_rollouts,
-            self._buffered_bytes,
-            self._rollouts_in_steps,
-            self._next_step,
-            self._zero_dropped_since_step,
-        ) = state["counts"]
+        for name in _COUNTS:
+            setattr(self, name, state["counts"][name])
         self._retention.restore(
             {int(rank): acked for rank, acked in state["acked_through"].items()}, state["done"]
         )
         self.counters = Counters(**state["counters"])
         self.step_records.extend(StepRecord(**r) for r in state["step_records"])
         self.last_reports = {int(rank): report for rank, report in state["last_reports"].items()}
+
+
+# The scheduler's scalar state, as a snapshot names it.
+_COUNTS = (
+    "_next_batch_key",
+    "_next_arrival",
+    "_newest_version",
+    "_buffered_rollouts",
+    "_buffered_bytes",
+    "_payload_bytes",
+    "_step_bytes",
+    "_rollouts_in_steps",
+    "_next_step",
+    "_zero_dropped_since_step",
+)
 
 
 def _groups_state(groups: dict[str, _Group]) -> list:
@@ -871,3 +964,7 @@ def _set_rng_state(generator: np.random.Generator, saved: list[str]) -> None:
         "has_uint32": int(has_uint32),
         "uinteger": int(uinteger),
     }
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"

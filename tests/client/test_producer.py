@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.client.arrow_codec import RolloutColumns, encode_rollouts
 from rlfeed.client.producer import RolloutWriter
-from rlfeed.client.transport import BufferFullError, InvalidRolloutsError, SidecarError
+from rlfeed.client.retry import FullSidecar
+from rlfeed.client.transport import (
+    BufferFullError,
+    InvalidRolloutsError,
+    SidecarError,
+)
+from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import config_from_dict
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.inprocess import InProcessTransport
@@ -38,12 +45,17 @@ class Recording:
         self.gate = threading.Event()
         self.gate.set()
         self.refuse = 0  # answer RESOURCE_EXHAUSTED this many times first
+        self.retry_after_s = None  # the hint those answers carry
+        self.attempts: list[float] = []  # when each submission came (monotonic)
 
     def submit(self, batch):
         self.gate.wait()
+        self.attempts.append(time.monotonic())
         if self.refuse:
             self.refuse -= 1
-            raise BufferFullError("sidecar buffer full")
+            raise BufferFullError(
+                "buffer full: max_buffered_bytes = 1.0 MiB", retry_after_s=self.retry_after_s
+            )
         ack = self.inner.submit(batch)
         self.batches.append(batch)
         return ack
@@ -303,6 +315,38 @@ def test_resource_exhausted_is_retried_until_accepted(recording):
     assert len(recording.batches) == 2
 
 
+def test_a_full_sidecar_is_retried_at_its_hinted_pace_with_a_warning_naming_it(recording, caplog):
+    recording.refuse, recording.retry_after_s = 3, 0.05
+    writer = RolloutWriter(recording, max_batch_rollouts=2, retry_backoff_s=0.001)
+    with caplog.at_level("WARNING", logger="rlfeed.client.retry"), writer:
+        writer.write(**rollout(0))
+        writer.write(**rollout(1))
+    gaps = np.diff(recording.attempts)
+    assert len(gaps) == 3 and gaps.min() >= 0.05  # the hint, not the 1 ms backoff
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1  # once, then every 10 s
+    assert "sidecar at <Recording> is full" in warnings[0]
+    assert "max_buffered_bytes = 1.0 MiB" in warnings[0]
+
+
+def test_the_full_sidecar_warning_repeats_every_10_s_with_how_long_it_lasted(monkeypatch, caplog):
+    import rlfeed.client.retry as retry_module
+
+    now = [100.0]
+    monkeypatch.setattr(retry_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    full = FullSidecar("host:1", backoff_s=0.01)
+    refusal = BufferFullError("max_buffered_bytes = 4096.0 MiB")
+    with caplog.at_level("WARNING", logger="rlfeed.client.retry"):
+        pauses = []
+        for _ in range(25):
+            pauses.append(full.pause_s(refusal))
+            now[0] += 1.0
+    assert pauses[:8] == [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0]  # no hint: backoff
+    warnings = [r.getMessage() for r in caplog.records]
+    assert [w.split(" for ")[1].split(" s ")[0] for w in warnings] == ["0", "10", "20"]
+    assert all("host:1" in w and "max_buffered_bytes = 4096.0 MiB" in w for w in warnings)
+
+
 def test_sidecar_buffer_limit_reaches_the_producer_as_backpressure():
     transport = make_transport(max_buffered_rollouts=4)
     transport.register_tasks(["t0"])
@@ -387,6 +431,12 @@ def test_sidecar_backpressure_over_grpc_blocks_until_a_trainer_fetches(make_side
     for i in range(4):
         writer.write(**rollout(i))  # one full step, not fetched: the sidecar's buffer is full
     writer.flush()
+    columns = RolloutColumns.empty()
+    for row in (rollout(4), rollout(5)):
+        columns.append(**row)
+    with pytest.raises(BufferFullError, match="max_buffered_rollouts = 4") as refused:
+        transport.submit(pb.RolloutBatch(arrow_ipc=encode_rollouts(columns)))
+    assert refused.value.retry_after_s == 0.5  # the rlfeed-retry-after-ms trailing metadata
     writer.write(**rollout(4))
     writer.write(**rollout(5))
     with pytest.raises(TimeoutError):

@@ -22,6 +22,7 @@ import pytest
 import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.config import with_overrides
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.server import start_server
 from rlfeed.service.scheduler.records import FetchKind
@@ -106,7 +107,7 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
 
 @pytest.mark.parametrize("cache_bytes", [None, 1], ids=["in-memory", "moved-out"])
 def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
-    make_sidecar, monkeypatch, cache_bytes
+    make_sidecar, cache_bytes
 ) -> None:
     """A replica stopping mid-run takes nothing along: a step it stored that no rank has
     fetched, a step it stored and served (re-fetched byte-identical), and a step not yet
@@ -114,9 +115,12 @@ def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
     With a 1-byte response cache its steps were already moved to the object store under
     references it owns (they would die with its process): the actor holds new ones."""
     primary = make_sidecar(rollouts=GROUPS, batching={"world_size": 2, "retained_steps": 8})
+    replica_config = primary.config
     if cache_bytes is not None:
-        monkeypatch.setattr("rlfeed.service.frontend.state.RESPONSE_CACHE_BYTES", cache_bytes)
-    replica = start_server(primary.config, join=True)
+        replica_config = with_overrides(
+            primary.config, server={"max_held_response_bytes": cache_bytes}
+        )
+    replica = start_server(replica_config, join=True)
     try:
         rollouts = synthetic_groups(num_groups=10, group_size=4, rng=np.random.default_rng(24))
         channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]

@@ -290,7 +290,7 @@ def test_ingest_counters_and_every_reject_reason_exists_from_the_start():
     for reason in REJECT_REASONS:
         assert value(metrics, "rlfeed_ingest_rollouts_rejected_total", reason=reason) == 0
     metrics.on_ingest(
-        accepted=10, accepted_tokens=1000, duplicate=2, stale=3, stale_tokens=300,
+        accepted=10, accepted_tokens=1000, duplicate=2, stale=3, stale_tokens=300, expired=5,
         ack_seconds=0.004, buffered_rollouts=10, buffered_bytes=6000,
     )  # fmt: skip
     metrics.on_reject("too_long", rollouts=4, tokens=90_000)
@@ -301,6 +301,7 @@ def test_ingest_counters_and_every_reject_reason_exists_from_the_start():
     assert value(metrics, "rlfeed_ingest_rollouts_duplicate_total") == 2
     assert value(metrics, "rlfeed_ingest_rollouts_stale_total") == 11
     assert value(metrics, "rlfeed_ingest_tokens_stale_total") == 1100
+    assert value(metrics, "rlfeed_ingest_rollouts_expired_total") == 5
     assert value(metrics, "rlfeed_ingest_rollouts_rejected_total", reason="too_long") == 4
     assert value(metrics, "rlfeed_ingest_tokens_rejected_total", reason="too_long") == 90_000
     assert value(metrics, "rlfeed_ingest_batches_rejected_total", reason="other") == 1

@@ -588,7 +588,7 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
 
     def check_released() -> None:
         released.extend(scheduler.take_releases()[0])
-        held = {handle for handle, _ in scheduler._payloads.values()}
+        held = {entry[0] for entry in scheduler._payloads.values()}
         buffered = {
             row[1]
             for group in (*scheduler._open.values(), *scheduler._complete.values())
@@ -612,11 +612,11 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
     check_released()
     assert len(released) == len(set(released)), "a payload released twice"
     # Every accepted batch is either still held (a buffered rollout needs it) or released.
-    held = {handle for handle, _ in scheduler._payloads.values()}
+    held = {entry[0] for entry in scheduler._payloads.values()}
     assert sorted(released + sorted(held)) == sorted(accepted)
     buffered = {
         row[1]
         for group in (*scheduler._open.values(), *scheduler._complete.values())
         for row in group.rows
     }
-    assert {key for key, (handle, _) in scheduler._payloads.items()} == buffered
+    assert set(scheduler._payloads) == buffered
