@@ -3,6 +3,7 @@
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
       [--replicas 1] [--stages] [--cpu] [--cold] [--client-env NAME=VALUE ...]
+      [--journal group|always|none]
 Cost: about 30 s on 2 cores (Ray start-up included), both cases, one repeat; each further
 repeat about 10-15 s per case.
 
@@ -79,6 +80,8 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -141,6 +144,7 @@ class Options:
     replicas: int = 1  # front-ends on the sidecar's port
     client_env: dict[str, str] = field(default_factory=dict)  # every client's environment
     warm_up: bool = True  # producers and ranks run the workload once untimed first
+    journal: str | None = None  # [journal] sync policy, journal in a fresh temp dir; None: off
 
     def first_timed_step(self, case: Case) -> int:
         """The first step in the timed window: the warm-up pass has the steps before it."""
@@ -381,8 +385,10 @@ def run_e2e(case: Case, options: Options) -> dict:
                 self.sizes.append(len(response))
 
     served = ServedSizes()
+    journal_dir = tempfile.mkdtemp(prefix="rlfeed-bench-journal-") if options.journal else ""
     config = with_overrides(
         SidecarConfig(),
+        journal={"dir": journal_dir, "sync": options.journal or "group"},
         server={"port": 0, "replicas": replicas},
         batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
         rollouts={
@@ -453,6 +459,8 @@ def run_e2e(case: Case, options: Options) -> dict:
         if joined is not None:
             joined.stop()
         sidecar.stop(grace=1.0)
+        if journal_dir:
+            shutil.rmtree(journal_dir, ignore_errors=True)
     expected_policy = case.rollouts * (case.tokens - case.tokens // 4)
     assert policy_tokens == expected_policy, (policy_tokens, expected_policy)
     assert len(served.sizes) == case.steps * WORLD_SIZE, "a (step, rank) served twice?"
@@ -792,6 +800,12 @@ def main() -> None:
         help="environment of every client process, the raw client's too (e.g. "
         "MALLOC_ARENA_MAX=2); repeatable",
     )
+    parser.add_argument(
+        "--journal",
+        choices=("group", "always", "none"),
+        help="journal the sidecar's run in a fresh temp dir with this [journal] sync policy "
+        "(default: no journal)",
+    )
     args = parser.parse_args()
     options = Options(
         producers=args.producers,
@@ -800,6 +814,7 @@ def main() -> None:
         replicas=args.replicas,
         client_env=dict(args.client_env),
         warm_up=not args.cold,
+        journal=args.journal,
     )
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:
