@@ -12,7 +12,9 @@ stops it gracefully within seconds, exit status 0: serving until told to stop is
 job, so a stop asked for is a success (a Kubernetes Job or `restart: on-failure` must not
 count it as a crash), unlike `rlfeed demo`, whose steps a signal leaves undone (143). Exit
 2 for a bad config, 1 when it cannot start (a port in use: found before Ray starts) or a
-replica dies.
+replica dies without `--journal-dir` (with one, the replica is restarted on its journal
+slot and the sidecar runs on). A replica whose first process is killed exits within a
+second, so no orphan holds the port.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from rlfeed.service.config import SidecarConfig, dump_config
 from rlfeed.service.frontend.journaling import frontend_slot
 
 _READY_POLL_SECONDS = 0.2
-# A replica restarted this many times within this window is not restarted again.
+# A replica that exited with an error this many times within this window is not restarted.
 _MAX_RESTARTS, _RESTART_WINDOW_SECONDS = 5, 120.0
 
 
@@ -40,7 +40,7 @@ class ReplicaProcesses:
     commands: list[list[str]] = field(default_factory=list)  # replica i's is [i - 1]
     restarts: int = 0  # replicas restarted after dying (`restart`)
     _reported: set[int] = field(default_factory=set)  # replicas newly_left has named
-    _restarted_at: dict[int, list[float]] = field(default_factory=dict)  # monotonic times
+    _restarted_at: dict[int, list[float]] = field(default_factory=dict)  # after errors
 
     def exited(self, clean_too: bool = False) -> str | None:
         """A description of the first replica that exited without handing its data over
@@ -60,9 +60,9 @@ class ReplicaProcesses:
         ]
 
     def crash_looping(self, index: int) -> bool:
-        """Whether replica `index` was restarted `_MAX_RESTARTS` times within the last
-        `_RESTART_WINDOW_SECONDS` (a replica that cannot start: restarting it again only
-        hides that)."""
+        """Whether replica `index` exited by itself (an error, not a signal) `_MAX_RESTARTS`
+        times within the last `_RESTART_WINDOW_SECONDS`: a replica that cannot start, which
+        restarting again only hides. A replica killed by a signal is always restarted."""
         now = time.monotonic()
         recent = [t for t in self._restarted_at.get(index, []) if now - t < _RESTART_WINDOW_SECONDS]
         self._restarted_at[index] = recent
@@ -78,7 +78,8 @@ class ReplicaProcesses:
         ray.get(self.actor.orphan_slot.remote(slot), timeout=30)
         self.processes[index - 1] = _spawn(self.commands[index - 1])
         self.restarts += 1
-        self._restarted_at.setdefault(index, []).append(time.monotonic())
+        if dead.returncode > 0:
+            self._restarted_at.setdefault(index, []).append(time.monotonic())
         return (
             f"replica {index} (pid {dead.pid}) exited with code {dead.returncode}; what it "
             f"acknowledged is in journal slot {slot}: restarted it as pid "
