@@ -429,11 +429,13 @@ def test_replicas_do_not_outlive_their_first_process(tmp_path, journal: bool) ->
         stderr=subprocess.STDOUT,
         text=True,
     )
-    replica = None
+    replica, lines = None, []
     try:
         for line in serve.stdout:
+            lines.append(line)
             if "listening on" in line:
                 break
+        assert "listening on" in lines[-1], "".join(lines[-30:])
         (replica,) = subprocess.run(
             ["pgrep", "-P", str(serve.pid), "-f", "rlfeed serve --join"],
             capture_output=True,
