@@ -12,7 +12,9 @@ stops it gracefully within seconds, exit status 0: serving until told to stop is
 job, so a stop asked for is a success (a Kubernetes Job or `restart: on-failure` must not
 count it as a crash), unlike `rlfeed demo`, whose steps a signal leaves undone (143). Exit
 2 for a bad config, 1 when it cannot start (a port in use: found before Ray starts) or a
-replica dies.
+replica dies without `--journal-dir` (with one, the replica is restarted on its journal
+slot and the sidecar runs on). A replica whose first process is killed exits within a
+second, so no orphan holds the port.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "([journal] dir; default: none, a crash loses the buffer and the curriculum)",
     )
     parser.add_argument("--journal-slot", help=argparse.SUPPRESS)  # a replica's, set by serve
+    # A replica's: the first process's pid; the replica exits once it is no longer its parent.
+    parser.add_argument("--first-pid", type=int, help=argparse.SUPPRESS)
     for flag, what in (
         ("--tls-cert", "PEM certificate chain of the gRPC port: TLS ([security] tls_cert)"),
         ("--tls-key", "PEM private key of --tls-cert ([security] tls_key)"),
@@ -232,7 +236,7 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
             where += f" from {RAY_ADDRESS_ENV}"
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
-        code = _wait_for_stop(stop, replicas, sidecar)
+        code = _wait_for_stop(stop, replicas, sidecar, args.first_pid)
         print("rlfeed serve: stopping", flush=True)
         return code
     finally:
@@ -260,10 +264,15 @@ def _install_token_reload(sidecar, replicas) -> None:
     signal.signal(signal.SIGHUP, reload)
 
 
-def _wait_for_stop(stop: threading.Event, replicas, sidecar) -> int:
-    """0 once asked to stop; 1 as soon as a replica exits other than by handing over, or
-    the scheduler actor is gone for good (no zombie front-end answering UNAVAILABLE)."""
+def _wait_for_stop(stop: threading.Event, replicas, sidecar, first_pid: int | None) -> int:
+    """0 once asked to stop; 1 as soon as the scheduler actor is gone for good (no zombie
+    front-end answering UNAVAILABLE), or a replica exits other than by handing over and
+    there is no journal to restart it from. A replica whose first process is gone exits
+    at once (`_leave_orphaned`)."""
+    journaled = bool(sidecar.config.journal.dir)
     while not stop.wait(0.5):
+        if first_pid is not None and os.getppid() != first_pid:
+            _leave_orphaned(sidecar, first_pid)
         if sidecar.lost.is_set():
             print(f"rlfeed serve: {sidecar.lost_reason}; stopping", file=sys.stderr)
             return 1
@@ -271,8 +280,45 @@ def _wait_for_stop(stop: threading.Event, replicas, sidecar) -> int:
             continue
         for left in replicas.newly_left():
             print(f"rlfeed serve: {left}, its data handed over", flush=True)
-        problem = replicas.exited()
-        if problem is not None:
-            print(f"rlfeed serve: {problem}; stopping the sidecar", file=sys.stderr)
-            return 1
+        for index in replicas.died():
+            if not journaled:
+                print(
+                    f"rlfeed serve: {replicas.exited()}; without [journal] dir what it held "
+                    "is lost: stopping the sidecar",
+                    file=sys.stderr,
+                )
+                return 1
+            if not _restarted(replicas, index):
+                return 1
     return 0
+
+
+def _restarted(replicas, index: int) -> bool:
+    """Restart replica `index` on its journal slot and say so; False (said why) if it
+    cannot be, or keeps dying: the sidecar then stops."""
+    if replicas.crash_looping(index):
+        print(
+            f"rlfeed serve: {replicas.exited()}, restarted too often; stopping the sidecar",
+            file=sys.stderr,
+        )
+        return False
+    try:
+        line = replicas.restart(index)
+    except Exception as exc:  # the actor is gone too
+        print(f"rlfeed serve: cannot restart replica {index}: {exc}; stopping", file=sys.stderr)
+        return False
+    print(f"rlfeed serve: {line}", file=sys.stderr, flush=True)
+    return True
+
+
+def _leave_orphaned(sidecar, first_pid: int) -> None:
+    """This replica's first process died (SIGKILL: it could not stop us), and Ray and the
+    scheduler actor with it: free the port now instead of holding it as an orphan, and
+    exit without waiting for the dead cluster."""
+    print(
+        f"rlfeed serve: the first process (pid {first_pid}) is gone; this replica exits",
+        file=sys.stderr,
+        flush=True,
+    )
+    sidecar.abandon()
+    os._exit(1)

@@ -22,6 +22,7 @@ from rlfeed.service.frontend.materialize import materialize_work
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.scheduler.records import (
     BatchHandle,
+    JournalRef,
     Releases,
     StepWork,
     StoredObject,
@@ -133,7 +134,11 @@ class StepAssembler:
                 if not self._unstored:
                     break
                 step, planned_at, work = self._unstored[0]
-            responses = materialize_work(work, resolve=self._resolve_payload)
+            try:
+                responses = materialize_work(work, resolve=self._resolve_payload)
+            except Exception:
+                self._refresh_payloads(step)  # a front-end holding a batch may have died
+                raise
             size = sum(map(len, responses))
             # The record store_step returns, known without waiting; reported before any
             # fetch can see the step.
@@ -165,10 +170,26 @@ class StepAssembler:
         retention = self.frontend.retention
         return retention.appending() if retention is not None else contextlib.nullcontext()
 
-    def _resolve_payload(self, handle: BatchHandle | StoredObject) -> TokenColumns:
+    def _refresh_payloads(self, step: int) -> None:
+        """Take the actor's current handles of what `step` reads: one naming a front-end
+        that died is a journal reference now, and once the next front-end of its slot has
+        claimed it, a handle to that one's memory (`SchedulerActor.orphan_slot`)."""
+        payloads = self.frontend.scheduler.step_payloads(step)
+        if not payloads:
+            return  # stored or not planned: nothing to materialize with other handles
+        with self._unstored_lock:
+            index = bisect.bisect_left(self._unstored, step, key=_step_of)
+            if index < len(self._unstored) and self._unstored[index][0] == step:
+                _, planned_at, work = self._unstored[index]
+                self._unstored[index] = (step, planned_at, replace(work, payloads=payloads))
+
+    def _resolve_payload(self, handle: BatchHandle | StoredObject | JournalRef) -> TokenColumns:
         """An ingest batch's columns: from this front-end's memory, from the front-end that
         decoded it (the step being materialized holds it there until stored), or from the
-        object store (its front-end has left, see `hand_over`)."""
+        object store (its front-end has left, see `hand_over`). A journal reference is a
+        batch whose front-end died and whose slot no front-end has claimed yet."""
+        if isinstance(handle, JournalRef):
+            raise RuntimeError(f"ingest batch {handle} waits for its slot's next front-end")
         if isinstance(handle, StoredObject):
             return ray.get(handle.ref)
         if handle.frontend_id != self.frontend.id:

@@ -159,6 +159,24 @@ class SidecarServer:
                 if self.started_ray:
                     ray.shutdown()
 
+    def abandon(self) -> None:
+        """Stop serving at once, saying nothing to the actor or Ray: a replica whose first
+        process died (Ray and the actor went with it, so any call would only wait for a
+        timeout). The ports are freed and the journal closed; what it acknowledged is in
+        the journal for the next `rlfeed serve` on it. The caller then exits the process
+        (Ray's own exit hooks would wait for the dead cluster too)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _set_serving(self.health, False)
+        self.frontend.signals.stop()
+        self.server.stop(0)
+        if self.peer_server is not None:
+            self.peer_server.stop(0)
+        if self.frontend.journal is not None:
+            with contextlib.suppress(Exception):  # mid-append in another thread: exiting anyway
+                self.frontend.journal.close()
+
     def wait(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)
 

@@ -20,6 +20,7 @@ from rlfeed.service.scheduler.records import (
     FetchKind,
     FetchNote,
     HeldBy,
+    JournalRef,
     Refused,
     StoredObject,
 )
@@ -147,6 +148,12 @@ class BatchServing:
             response = ray.get(handle.ref)
             frontend.events.on_served(step, rank, response)
             return response
+        if isinstance(handle, JournalRef):  # its front-end died; the next one loads it
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"step {step} is in the journal of {handle.slot}, whose front-end restarts; "
+                "ask again",
+            )
         if isinstance(handle, HeldBy) and handle != frontend.marker:
             try:
                 return frontend.peers.stored_response(

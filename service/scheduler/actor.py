@@ -33,6 +33,7 @@ from rlfeed.service.scheduler.records import (
     Releases,
     SampleResult,
     SlotClaim,
+    StepWork,
     StoredObject,
     StoreStepNote,
 )
@@ -66,6 +67,11 @@ class SchedulerActor:
         # it starts from what the journal holds (Ray restarts it there after a crash).
         self._scheduler: Scheduler | JournaledScheduler
         self._recovered_work: list = []
+        # Planned steps not stored yet: who materializes each, and its work, so that the
+        # work of a front-end that dies goes to the next front-end of its slot.
+        self._materializing: dict[int, tuple[str, StepWork]] = {}
+        self._orphaned_work: dict[str, list[StepWork]] = {}  # slot -> work of its dead one
+        self._orphaned: set[str] = set()  # front-ends declared dead: their calls are refused
         if config.journal.dir:
             self._scheduler = JournaledScheduler(config, Path(config.journal.dir), self._ref_of)
             self._recovered_work = self._scheduler.recovered_work
@@ -90,7 +96,10 @@ class SchedulerActor:
     def _require_registered(self, frontend_id: str) -> None:
         """With a journal, a front-end this actor does not know (it restarted since) must
         register again first: its batches could not be journaled by their slot. Raised
-        as an error, so the call answers UNAVAILABLE and the producer retries."""
+        as an error, so the call answers UNAVAILABLE and the producer retries. A call of a
+        front-end declared dead (`orphan_slot`) that arrives late is refused the same way."""
+        if frontend_id in self._orphaned:
+            raise RuntimeError(f"front-end {frontend_id} was declared dead")
         if self._journaled and frontend_id not in self._frontends:
             raise RuntimeError(
                 f"front-end {frontend_id} is not registered with this scheduler (it restarted); "
@@ -112,12 +121,40 @@ class SchedulerActor:
         if not isinstance(self._scheduler, JournaledScheduler):
             return SlotClaim()
         batches, steps = self._scheduler.claim_journaled(slot, frontend_id)
-        work, self._recovered_work = self._recovered_work, []
-        mine = {JournalRef(slot, p): BatchHandle(frontend_id, p) for p in batches}
-        work = [
-            replace(w, payloads={k: mine.get(h, h) for k, h in w.payloads.items()}) for w in work
-        ]
+        work = [*self._recovered_work, *self._orphaned_work.pop(slot, [])]
+        self._recovered_work = []
+        # The handles as they are now: batches of this slot are this front-end's again.
+        work = [replace(w, payloads=self._scheduler.step_payloads(w.step)) for w in work]
+        for item in work:
+            self._materializing[item.step] = (frontend_id, item)
         return SlotClaim(batches=batches, steps=steps, work=work)
+
+    def orphan_slot(self, slot: str) -> list[str]:
+        """The front-end serving `slot` died (its process exited without handing over):
+        forget it, turn the handles naming its memory back into references to its journal
+        (`Scheduler.orphan_frontend`) and keep the planned steps it was materializing for
+        the next front-end of the slot (`claim_slot`). Returns the front-end ids let go.
+        Until that one claims the slot, fetches of its steps and materializations reading
+        its batches answer UNAVAILABLE and are retried."""
+        if not isinstance(self._scheduler, JournaledScheduler):
+            return []
+        dead = [fid for fid, s in self._slots.items() if s == slot and fid in self._frontends]
+        for frontend_id in dead:
+            self._frontends.pop(frontend_id)
+            self._orphaned.add(frontend_id)
+            self._scheduler.orphan_frontend(frontend_id, slot, self._scheduler.step_refs())
+            unstored = set(self._scheduler.unstored_steps(list(self._materializing)))
+            orphaned = self._orphaned_work.setdefault(slot, [])
+            for step, (owner, work) in sorted(self._materializing.items()):
+                if owner == frontend_id and step in unstored:
+                    orphaned.append(work)
+                    del self._materializing[step]
+        return dead
+
+    def step_payloads(self, step: int) -> dict[int, Any]:
+        """The current handles of what a planned, unstored step reads (see
+        `Scheduler.step_payloads`): for a front-end whose materialization failed."""
+        return self._scheduler.step_payloads(step)
 
     def journal_floor(self, slot: str) -> int | None:
         """The oldest position of `slot`'s journal still needed (None: none is)."""
@@ -160,6 +197,8 @@ class SchedulerActor:
 
     def sync(self, frontend_id: str, notes: list) -> Releases:
         """Apply a front-end's notes; returns what it may free now."""
+        if frontend_id in self._orphaned:  # late: its steps go to its slot's next one
+            raise RuntimeError(f"front-end {frontend_id} was declared dead")
         self.apply_notes(notes)
         return self._take_releases(frontend_id)
 
@@ -181,12 +220,16 @@ class SchedulerActor:
         self._commit()
 
     def _store_step(self, note: StoreStepNote) -> None:
+        self._materializing.pop(note.step, None)
         if not isinstance(self._scheduler, JournaledScheduler):
             self._scheduler.store_step(note.step, note.handles, note.response_bytes)
             return
-        slot = self._slots.get(self._frontend_of(note.handles[0]), "")
+        frontend_id = self._frontend_of(note.handles[0])
+        slot = self._slots.get(frontend_id, "")
         refs = [JournalRef(slot, position) for position in note.positions] if slot else None
-        self._scheduler.store_step(note.step, note.handles, note.response_bytes, refs)
+        # A late note of a front-end declared dead: its journal holds the bytes, not it.
+        handles = refs if refs and frontend_id in self._orphaned else note.handles
+        self._scheduler.store_step(note.step, handles, note.response_bytes, refs)
 
     @staticmethod
     def _frontend_of(handle: Any) -> str:
@@ -227,6 +270,9 @@ class SchedulerActor:
         self.apply_notes(notes)
         replies = [self._ingest_one(meta, payload) for meta, payload in batches]
         self._commit()
+        if self._journaled:
+            for reply in replies:
+                self._materializing.update((w.step, (frontend_id, w)) for w in reply.work)
         if replies:
             replies[-1] = replace(replies[-1], releases=self._take_releases(frontend_id))
         return replies
@@ -243,6 +289,8 @@ class SchedulerActor:
         return IngestReply(kind=IngestKind.OK, result=result, work=work)
 
     def record_rejection(self, frontend_id: str, notes: list) -> None:
+        if frontend_id in self._orphaned:
+            return
         self.apply_notes(notes)
         self._scheduler.record_rejection()
         self._commit()

@@ -156,6 +156,9 @@ class SchedulerClient:
     def unstored_steps(self, steps: list[int]) -> list[int]:
         return self._after_notes("unstored_steps", steps)
 
+    def step_payloads(self, step: int) -> dict[int, Any]:
+        return self._after_notes("step_payloads", step)
+
 
 class _PendingIngest:
     """One handler thread's batch waiting in `IngestGroups`."""

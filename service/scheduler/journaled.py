@@ -120,6 +120,11 @@ class JournaledScheduler(Scheduler):
             positions.extend(ref.position for ref in self._step_refs[step] if ref.slot == slot)
         return min(positions, default=None)
 
+    def step_refs(self) -> dict[int, list[JournalRef]]:
+        """Where each held step's responses are journaled, per rank (a copy): what
+        `orphan_frontend` turns a dead front-end's steps back into."""
+        return {step: list(refs) for step, refs in self._step_refs.items()}
+
     def take_releases(self) -> tuple[list[Any], list[int]]:
         payloads, steps = super().take_releases()
         for step in steps:

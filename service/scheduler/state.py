@@ -660,6 +660,34 @@ class Scheduler:
                 held.payloads = [HeldBy(frontend_id)] * len(refs)
         return sorted(batches), steps
 
+    def orphan_frontend(
+        self, frontend_id: str, slot: str, step_refs: dict[int, list[JournalRef]]
+    ) -> None:
+        """Front-end `frontend_id`, which journaled into `slot`, died: the handles naming its
+        memory become references to its journal again (the inverse of `claim_journaled`),
+        so the next front-end of `slot` claims them. Every ingest batch it held (the key is
+        the journal position), and every held step whose responses `step_refs` places in
+        `slot` (step -> one reference per rank; also steps moved into the object store by
+        the dead process, which owned those objects). Not a logical change: what is
+        buffered, planned, stored and fetched stays the same; only where the bytes are."""
+        for entry in self._payloads.values():
+            handle = entry[0]
+            if isinstance(handle, BatchHandle) and handle.frontend_id == frontend_id:
+                entry[0] = JournalRef(slot, handle.key)
+        for step, refs in step_refs.items():
+            held = self._steps.get(step)
+            if held is not None and held.payloads is not None and refs[0].slot == slot:
+                held.payloads = list(refs)
+
+    def step_payloads(self, step: int) -> dict[int, Any]:
+        """Batch key -> current handle of every ingest batch a planned, unstored `step`
+        reads (empty otherwise): the handles its work went out with may name a front-end
+        that died since (a query)."""
+        held = self._steps.get(step)
+        if held is None or held.payloads is not None:
+            return {}
+        return {key: self._payloads[key][0] for key in held.reads}
+
     def payload_handles(self) -> list[Any]:
         """The handle of every ingest batch still held (a query)."""
         return [entry[0] for entry in self._payloads.values()]

@@ -1,6 +1,8 @@
 """Crash loop: `rlfeed serve --journal-dir` killed with SIGKILL (its whole process group:
 the server, Ray and the scheduler actor) at random points while producers stream rollouts
-and two trainer ranks fetch steps, restarted on the same port and journal each time.
+and two trainer ranks fetch steps, restarted on the same port and journal each time. The
+same with only the scheduler actor killed (Ray restarts it), and with only the replica of
+`--replicas 2` killed (the first process restarts it on its journal slot).
 
 Over the whole history: every acknowledged rollout is served, in exactly one step; nothing
 is served that was not acknowledged; a (step, rank) is never served with two different
@@ -57,7 +59,8 @@ def _free_port() -> int:
 class Sidecar:
     """`rlfeed serve` in a process group of its own, restartable on one port and journal."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *flags: str) -> None:
+        self.flags = flags  # more `rlfeed serve` flags (`--replicas 2`)
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.config = workdir / "rlfeed.toml"
@@ -70,7 +73,7 @@ class Sidecar:
     def start(self, timeout_s: float = 120.0) -> None:
         command = [
             sys.executable, "-m", "rlfeed", "serve", "--config", str(self.config),
-            "--port", str(self.port), "--journal-dir", str(self.journal),
+            "--port", str(self.port), "--journal-dir", str(self.journal), *self.flags,
         ]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
@@ -268,6 +271,87 @@ def test_crash_loop_short(tmp_path) -> None:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_crash_loop(tmp_path, seed: int) -> None:
     run = _serve_crash_loop(tmp_path, kills=8, num_groups=240, seed=seed)
+    _check(run)
+    _report(run)
+
+
+def replica_pids(serve_pid: int) -> list[int]:
+    """The `rlfeed serve --join` children of the first process `serve_pid`."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(serve_pid), "-f", "rlfeed serve --join"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return [int(pid) for pid in children]
+
+
+def _front_ends(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        status = pb_grpc.SidecarStatusStub(channel)
+        try:
+            return status.GetStatus(pb.GetStatusRequest(), timeout=2).front_ends
+        except grpc.RpcError:
+            return 0
+
+
+def _wait_for_two_front_ends(sidecar: Sidecar, deadline: float) -> None:
+    while _front_ends(sidecar.address) != 2:
+        assert sidecar.process.poll() is None, "the sidecar stopped"
+        assert time.monotonic() < deadline, "no second front-end registered"
+        time.sleep(0.2)
+
+
+class ReplicaCrash:
+    """SIGKILL the replica of `rlfeed serve --replicas 2` (never the first process); return
+    once the first process has started a new one and it has registered."""
+
+    def __init__(self, sidecar: Sidecar, timeout_s: float = 120.0) -> None:
+        self.sidecar, self.timeout_s = sidecar, timeout_s
+        self.back_after: list[float] = []  # seconds until two front-ends served again
+
+    def __call__(self) -> None:
+        serve = self.sidecar.process
+        (replica,) = replica_pids(serve.pid)
+        os.kill(replica, signal.SIGKILL)
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        while replica_pids(serve.pid) in ([], [replica]):
+            assert serve.poll() is None, "the sidecar stopped with its replica"
+            assert time.monotonic() < deadline, "the replica was not restarted"
+            time.sleep(0.1)
+        _wait_for_two_front_ends(self.sidecar, deadline)
+        self.back_after.append(time.monotonic() - start)
+
+
+def _serve_replica_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
+    sidecar = Sidecar(tmp_path, "--replicas", "2")
+    sidecar.start()
+    _wait_for_two_front_ends(sidecar, time.monotonic() + 120)
+    crash = ReplicaCrash(sidecar)
+    try:
+        run = _run_crash_loop(sidecar.address, crash, kills, num_groups, seed)
+        assert sidecar.process.poll() is None, "the sidecar stopped"
+    finally:
+        sidecar.stop()
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert log.count("what it acknowledged is in journal slot frontend-1") == kills, log[-3000:]
+    print(f"replica back after {', '.join(f'{s:.1f}' for s in crash.back_after)} s")
+    return run
+
+
+@pytest.mark.timeout(600)
+def test_a_replica_killed_mid_run_is_restarted_and_loses_nothing(tmp_path) -> None:
+    run = _serve_replica_crash_loop(tmp_path, kills=1, num_groups=60, seed=5)
+    _check(run)
+    _report(run)
+    assert run["mid_ingest"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("seed", [6, 7])
+def test_replicas_killed_again_and_again_lose_nothing(tmp_path, seed: int) -> None:
+    run = _serve_replica_crash_loop(tmp_path, kills=6, num_groups=240, seed=seed)
     _check(run)
     _report(run)
 

@@ -356,10 +356,11 @@ def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
     assert f"replica 1 (pid {replica}) left, its data handed over" in rest
 
 
-def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:
-    """A replica holds data the other front-ends need: killed, it cannot hand it over, so
-    the sidecar does not run on without it (exit 1, saying which replica), nor leave any
-    process behind."""
+def test_without_a_journal_a_replica_that_dies_stops_the_whole_sidecar() -> None:
+    """A replica holds data the other front-ends need: killed, it cannot hand it over, and
+    without a journal nothing else holds it, so the sidecar does not run on without it
+    (exit 1, saying which replica and why), nor leave any process behind. With a journal
+    it is restarted instead (`test_crash_loop.py`)."""
     serve, replica = _serve_with_a_replica(_free_port())
     try:
         os.kill(int(replica), signal.SIGKILL)
@@ -369,7 +370,10 @@ def test_a_replica_that_dies_stops_the_whole_sidecar() -> None:
             serve.kill()
             serve.wait()
     assert serve.returncode == 1, rest[-3000:]
-    assert f"replica 1 (pid {replica}) exited with code -9; stopping the sidecar" in rest
+    assert (
+        f"replica 1 (pid {replica}) exited with code -9; without [journal] dir what it held "
+        "is lost: stopping the sidecar"
+    ) in rest
 
 
 def test_a_replica_that_cannot_start_fails_the_start_naming_it() -> None:
@@ -390,3 +394,64 @@ def test_a_replica_that_cannot_start_fails_the_start_naming_it() -> None:
     assert "cannot start the front-end replicas: replica 1" in serve.stderr
     assert f"cannot serve metrics on 127.0.0.1:{metrics_port + 1}" in serve.stderr
     assert "listening on" not in serve.stdout
+
+
+def _running(pid: str) -> bool:
+    """Whether process `pid` runs (a zombie waiting for its new parent to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    """Whether `port` can be bound as a new `rlfeed serve` checks it (no SO_REUSEPORT)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_replicas_do_not_outlive_their_first_process(tmp_path, journal: bool) -> None:
+    """SIGKILL of the first process alone (not its group: nothing stops the replica, and
+    Ray goes with the first process): the replica notices within seconds and exits, so
+    the port is free for the next `rlfeed serve`."""
+    port = _free_port()
+    flags = ["--journal-dir", str(tmp_path / "journal")] if journal else []
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    replica, lines = None, []
+    try:
+        for line in serve.stdout:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert "listening on" in lines[-1], "".join(lines[-30:])
+        (replica,) = subprocess.run(
+            ["pgrep", "-P", str(serve.pid), "-f", "rlfeed serve --join"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        serve.kill()
+        serve.wait()
+        killed = time.monotonic()
+        wait_until(lambda: not _running(replica), "the replica outlived it", 10)
+        wait_until(
+            lambda: _port_free(port), "the port is still held", 10 - (time.monotonic() - killed)
+        )
+        print(f"replica gone and port free {time.monotonic() - killed:.1f} s after the kill")
+    finally:
+        if replica is not None and _running(replica):
+            os.kill(int(replica), signal.SIGKILL)
+        if serve.poll() is None:
+            serve.kill()
+        serve.communicate()

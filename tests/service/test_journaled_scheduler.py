@@ -160,3 +160,47 @@ def test_store_step_without_journal_references_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="journal reference"):
         journaled.store_step(0, [HeldBy("fe")] * 2, 10)
     journaled.close()
+
+
+def test_a_dead_front_end_leaves_the_claim_a_recovery_would(tmp_path) -> None:
+    """`orphan_frontend` (one replica died, the actor lives on) turns its handles back into
+    journal references: the next front-end of the slot claims exactly what a restart of
+    the whole sidecar on the same journal would hand it."""
+    config = _config(tmp_path)
+    journaled = JournaledScheduler(config, tmp_path, _ref_of)
+    journaled.register_tasks([f"t{i}" for i in range(5)])
+    _drive([journaled], 7, calls=60)
+    before = _comparable(journaled)
+    journaled.orphan_frontend("fe", SLOT, journaled.step_refs())
+    assert _comparable(journaled) == before  # where the bytes are, not what is held
+    assert not any(isinstance(h, BatchHandle) for h in journaled.payload_handles())
+    claimed = journaled.claim_journaled(SLOT, "next-front-end")
+    journaled.close()
+
+    rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
+    assert claimed == rebuilt.claim_journaled(SLOT, "next-front-end")
+    assert claimed[1]  # held steps were claimed, not only batches
+    rebuilt.close()
+
+
+def test_a_planned_step_reads_the_journal_of_a_dead_front_end_until_claimed(tmp_path) -> None:
+    """The work of a step planned but not stored names its batches' handles as they were;
+    `step_payloads` gives them as they are now: a journal reference once their front-end
+    died, the next front-end's memory once it claimed the slot, nothing once stored."""
+    journaled = JournaledScheduler(_config(tmp_path), tmp_path, _ref_of)
+    rollouts = synthetic_groups(
+        num_groups=2, group_size=4, rng=np.random.default_rng(0), tasks=["t0"], prefix="p-"
+    )
+    journaled.register_tasks(["t0"])
+    meta = batch_meta(decode_rollout_batch(rollouts.encode(list(range(8)))))
+    assert journaled.ingest_batch(meta, BatchHandle("fe", 3)).steps_ready
+    (work,) = journaled.plan_ready_steps()
+    (key,) = work.payloads
+    assert journaled.step_payloads(work.step) == {key: BatchHandle("fe", 3)}
+    journaled.orphan_frontend("fe", SLOT, journaled.step_refs())
+    assert journaled.step_payloads(work.step) == {key: JournalRef(SLOT, 3)}
+    assert journaled.claim_journaled(SLOT, "next") == ([3], {})
+    assert journaled.step_payloads(work.step) == {key: BatchHandle("next", 3)}
+    journaled.store_step(work.step, [HeldBy("next")] * 2, 10, [JournalRef(SLOT, 4)] * 2)
+    assert journaled.step_payloads(work.step) == {}
+    journaled.close()
