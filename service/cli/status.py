@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def message_to_plain(message) -> dict:
     """Every field of a protobuf message as plain JSON-able values (64-bit ints stay ints,
-    unlike protobuf's JSON mapping, which writes them as strings; unset messages -> None)."""
+    unlike protobuf's JSON mapping, which writes them as strings; unset messages and unset
+    `optional` scalars -> None)."""
     plain = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
@@ -49,6 +50,8 @@ def message_to_plain(message) -> dict:
             plain[field.name] = message_to_plain(value) if message.HasField(field.name) else None
         elif field.is_repeated:
             plain[field.name] = list(value)
+        elif field.has_presence and not message.HasField(field.name):
+            plain[field.name] = None  # an `optional` left unset: not measured, not 0
         else:
             plain[field.name] = value
     return plain

@@ -195,7 +195,7 @@ def test_batches_arriving_during_an_ingest_call_share_the_next_call() -> None:
 def test_a_refused_note_is_counted_and_shown_by_status() -> None:
     """A note the scheduler refuses is a bug of rlfeed, not of the input: it is skipped (the
     call it rode on goes on), counted, and `rlfeed status` says so loudly."""
-    from rlfeed.service.cli.status import _text
+    from rlfeed.service.cli.status import status_text
     from rlfeed.service.config import SidecarConfig
     from rlfeed.service.frontend.codec import status_to_proto
     from rlfeed.service.scheduler.actor import SchedulerActor
@@ -206,4 +206,4 @@ def test_a_refused_note_is_counted_and_shown_by_status() -> None:
     actor.apply_notes([StoreStepNote(step=5, handles=[b"", b""], response_bytes=0)])
     status = status_to_proto(actor.status(), SidecarConfig())
     assert status.notes_refused == 1
-    assert "NOTES REFUSED    1: a bug in rlfeed" in _text("sidecar:1", "SERVING", status)
+    assert "NOTES REFUSED    1: a bug in rlfeed" in status_text("sidecar:1", "SERVING", status)
