@@ -217,10 +217,8 @@ class JournaledScheduler(Scheduler):
             self.restore_state(snapshot.state, _unref)
             after = snapshot.position
         unstored, calls = self._replay(after)
-        self._step_refs = {
-            step: list(held) for step in self.held_steps(list(self._steps))
-            if (held := self._steps[step].payloads) is not None
-        }  # fmt: skip
+        stored = self.held_steps(list(self._steps))  # their handles are references now
+        self._step_refs = {step: list(self._steps[step].payloads) for step in stored}
         if snapshot is not None or calls:
             _log.info(
                 "rlfeed: scheduler rebuilt from %s and %d journaled calls: next step %d, %d "
@@ -248,19 +246,18 @@ class JournaledScheduler(Scheduler):
                         f"{self._journal.directory}: record {record.seq} has format version "
                         f"{version}; this rlfeed reads {CALL_FORMAT_VERSION}"
                     )
-                for work in self._apply_recorded(method, args):
-                    unstored[work.step] = work
-                unstored.pop(self._last_stored, None)
+                planned, stored = self._apply_recorded(method, args)
+                unstored.update((work.step, work) for work in planned)
+                unstored.pop(stored, None)
                 calls += 1
         finally:
             self._replaying = False
         self.take_releases()  # they name handles of processes that are gone
         return [unstored[step] for step in sorted(unstored)], calls
 
-    _last_stored: int | None = None
-
-    def _apply_recorded(self, method: str, args: list) -> list[StepWork]:
-        self._last_stored = None
+    def _apply_recorded(self, method: str, args: list) -> tuple[list[StepWork], int | None]:
+        """Apply one recorded call through the plain Scheduler: (steps it planned, step it
+        stored)."""
         if method == "ingest_batch":
             ref, ids, tasks, groups, versions, rewards, lengths, policy_tokens = args
             meta = BatchMeta(
@@ -273,12 +270,12 @@ class JournaledScheduler(Scheduler):
                 policy_tokens=np.asarray(policy_tokens, dtype=np.int64),
             )
             result = Scheduler.ingest_batch(self, meta, _unref(ref))
-            return Scheduler.plan_ready_steps(self) if result.steps_ready else []
+            return (Scheduler.plan_ready_steps(self) if result.steps_ready else []), None
         if method == "store_step":
             step, refs, response_bytes = args
             Scheduler.store_step(self, step, [_unref(r) for r in refs], response_bytes)
-            self._last_stored = step
-        elif method == "fetch_batch":
+            return [], step
+        if method == "fetch_batch":
             Scheduler.fetch_batch(self, *args)
         elif method == "ack_steps":
             Scheduler.ack_steps(self, *args)
@@ -292,7 +289,7 @@ class JournaledScheduler(Scheduler):
             Scheduler.record_rejection(self)
         else:
             raise ValueError(f"{self._journal.directory}: unknown journaled call {method!r}")
-        return []
+        return [], None
 
 
 def _storage_config(section: JournalConfig) -> JournalConfig:
