@@ -21,6 +21,7 @@ from typing import Any
 
 from rlfeed.sched.models import GPUS, MODELS
 from rlfeed.sched.throughput import EpisodeShape
+from rlfeed.service.frontends.config import FrontendsConfig
 from rlfeed.service.journal.config import JournalConfig
 from rlfeed.service.security.config import SecurityConfig
 from rlfeed.service.server_config import ServerConfig
@@ -302,8 +303,15 @@ class SidecarConfig:
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    frontends: FrontendsConfig = field(default_factory=FrontendsConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            not (self.frontends.count and self.server.replicas > 1),
+            "server",
+            "replicas",
+            "must be 1 with [frontends] count > 0 (Ray places the front-ends then)",
+        )
         _require(
             self.rollouts.max_buffered_bytes >= self.server.max_message_bytes,
             "rollouts",
@@ -385,6 +393,7 @@ _SECTIONS: dict[str, type] = {
     "accounting": AccountingConfig,
     "security": SecurityConfig,
     "journal": JournalConfig,
+    "frontends": FrontendsConfig,
 }
 
 

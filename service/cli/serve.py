@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 
-from rlfeed.service.cli.argtypes import positive_int
+from rlfeed.service.cli.argtypes import non_negative_int, positive_int
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # Ray's variable: `ray.init()` joins the cluster it names
 
@@ -52,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="N",
         help="front-end processes sharing the port and the scheduler ([server] replicas)",
+    )
+    parser.add_argument(
+        "--frontends",
+        type=non_negative_int,
+        metavar="N",
+        help="run N front-ends as Ray actors placed across the cluster, each serving the "
+        "port on its node ([frontends] count; 0 = in this process)",
+    )
+    parser.add_argument(
+        "--frontend-resource",
+        metavar="NAME",
+        help="place front-ends only on nodes offering this custom Ray resource, one unit "
+        "each ([frontends] resource; default: spread over every node)",
     )
     parser.add_argument(
         "--join",
@@ -152,6 +165,11 @@ def _resolved_config(args: argparse.Namespace):
         if getattr(args, name) is not None
     }
     journal = {"dir": args.journal_dir} if args.journal_dir is not None else {}
+    frontends = {
+        name: value
+        for name, value in (("count", args.frontends), ("resource", args.frontend_resource))
+        if value is not None
+    }
     try:
         config = load_config(args.config)
         config = with_overrides(
@@ -159,6 +177,7 @@ def _resolved_config(args: argparse.Namespace):
             server={k: v for k, v in flags if v is not None},
             security=security,
             journal=journal,
+            frontends=frontends,
         )
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
