@@ -233,7 +233,7 @@ class Counters(_message.Message):
     def __init__(self, rollouts_received: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., zero_advantage_groups: _Optional[int] = ..., zero_advantage_rollouts_dropped: _Optional[int] = ..., steps_assembled: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., policy_tokens_assembled: _Optional[int] = ..., trainer_reports: _Optional[int] = ..., tasks_sampled: _Optional[int] = ..., revisits_sampled: _Optional[int] = ..., tasks_requested: _Optional[int] = ..., rollouts_saved_by_filter: _Optional[int] = ..., rollouts_expired: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends", "notes_refused", "held_bytes", "max_buffered_bytes")
+    __slots__ = ("version", "next_step", "buffered_rollouts", "buffered_bytes", "complete_groups", "tasks_total", "tasks_inside_filter", "tasks_outside_filter", "steps_waiting", "newest_policy_version", "counters", "last_step", "world_size", "prompts_per_step", "group_size", "token_budget", "last_reports", "open_groups", "front_ends", "notes_refused", "held_bytes", "max_buffered_bytes", "front_end_list")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class StatusResponse(_message.Message):
     NOTES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRONT_END_LIST_FIELD_NUMBER: _ClassVar[int]
     version: str
     next_step: int
     buffered_rollouts: int
@@ -278,4 +279,21 @@ class StatusResponse(_message.Message):
     notes_refused: int
     held_bytes: int
     max_buffered_bytes: int
-    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ..., notes_refused: _Optional[int] = ..., held_bytes: _Optional[int] = ..., max_buffered_bytes: _Optional[int] = ...) -> None: ...
+    front_end_list: _containers.RepeatedCompositeFieldContainer[FrontEnd]
+    def __init__(self, version: _Optional[str] = ..., next_step: _Optional[int] = ..., buffered_rollouts: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., complete_groups: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_inside_filter: _Optional[int] = ..., tasks_outside_filter: _Optional[int] = ..., steps_waiting: _Optional[_Iterable[_Union[StepWaiting, _Mapping]]] = ..., newest_policy_version: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., world_size: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., last_reports: _Optional[_Iterable[_Union[TrainerReport, _Mapping]]] = ..., open_groups: _Optional[int] = ..., front_ends: _Optional[int] = ..., notes_refused: _Optional[int] = ..., held_bytes: _Optional[int] = ..., max_buffered_bytes: _Optional[int] = ..., front_end_list: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ...) -> None: ...
+
+class FrontEnd(_message.Message):
+    __slots__ = ("id", "address", "node_id", "slot", "state", "last_seen_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    node_id: str
+    slot: str
+    state: str
+    last_seen_seconds: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., slot: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...

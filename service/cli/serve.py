@@ -129,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
         config = _resolved_config(args)
         print(dump_config(config, args.print_config), flush=True)
         _retain_freed_memory(config)
+        if config.frontends.count:
+            from rlfeed.service.cli.serve_actors import serve_frontend_actors
+
+            code = serve_frontend_actors(config, args.ray_address, _describe_ray(args), stop)
+            print("rlfeed serve: stopped", flush=True)
+            return code
         exporter = _bound_exporter(config)
         sidecar = _started_sidecar(config, args, exporter)
         code = _serve(config, args, stop, sidecar, exporter)
@@ -183,7 +189,17 @@ def _resolved_config(args: argparse.Namespace):
         raise _fail(2, exc) from None
     if args.join and args.ray_address is None:
         raise _fail(2, "--join needs --ray-address")
+    if args.join and config.frontends.count:
+        raise _fail(2, "--join and --frontends exclude each other (Ray places the front-ends)")
     return config
+
+
+def _describe_ray(args: argparse.Namespace) -> str:
+    """Which Ray this sidecar runs on, for the "listening on" line."""
+    if args.ray_address is None:
+        return "embedded Ray"
+    source = f" from {RAY_ADDRESS_ENV}" if args.ray_address_from_env else ""
+    return f"Ray at {args.ray_address}{source}"
 
 
 def _resolve_ray_address(args: argparse.Namespace) -> None:
@@ -250,9 +266,7 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
         _install_token_reload(sidecar, replicas)
         if exporter is not None:
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
-        where = "embedded Ray" if args.ray_address is None else f"Ray at {args.ray_address}"
-        if args.ray_address is not None and args.ray_address_from_env:
-            where += f" from {RAY_ADDRESS_ENV}"
+        where = _describe_ray(args)
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
         code = _wait_for_stop(stop, replicas, sidecar, args.first_pid)

@@ -70,6 +70,10 @@ def status_text(address: str, health: str, status) -> str:
         f"{status.prompts_per_step} groups x {status.group_size} rollouts per step, "
         f"token budget {status.token_budget})",
         f"  front-ends       {status.front_ends}",
+        *(
+            f"    {f.slot or f.id:<14} {f.address:<21} {f.state:<12} node {f.node_id[:12]}"
+            for f in status.front_end_list
+        ),
         f"  buffered         {status.buffered_rollouts} rollouts, {_mib(status.buffered_bytes)} "
         f"({status.open_groups} open groups, {status.complete_groups} complete)",
         f"  memory held      {_mib(status.held_bytes)} of max_buffered_bytes "

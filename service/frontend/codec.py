@@ -381,6 +381,17 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
     )
     if snapshot.last_step is not None:
         response.last_step.CopyFrom(step_stats_to_proto(snapshot.last_step))
+    response.front_end_list.extend(
+        pb.FrontEnd(
+            id=f.frontend_id,
+            address=f.address,
+            node_id=f.node_id,
+            slot=f.slot,
+            state=f.state,
+            last_seen_seconds=f.last_seen_s,
+        )
+        for f in snapshot.front_end_list
+    )
     return response
 
 

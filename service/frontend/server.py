@@ -94,6 +94,20 @@ def _batch_serving_handler(serving: BatchServing) -> grpc.GenericRpcHandler:
     )
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What a front-end tells the scheduler actor when it joins (and joins again after the
+    actor restarted): where its peers and its clients reach it, its slot and Ray node."""
+
+    peer_address: str
+    slot: str  # its journal folder; "" without a journal
+    address: str  # host:port of the public port (the node's address for 0.0.0.0)
+    node_id: str
+
+    def register(self, frontend: FrontendState) -> None:
+        frontend.scheduler.register(self.peer_address, self.slot, self.address, self.node_id)
+
+
 @dataclass
 class SidecarServer:
     """A running sidecar: `address` is "host:port"; `stop()` is idempotent."""
@@ -124,6 +138,12 @@ class SidecarServer:
     @property
     def address(self) -> str:
         return f"{self.config.server.host}:{self.port}"
+
+    @property
+    def public_address(self) -> str:
+        """Where clients reach this front-end: `address`, with this node's address for a
+        wildcard host."""
+        return f"{_peer_host(self.config.server.host)}:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
         if self._stopped:
@@ -187,7 +207,7 @@ class SidecarServer:
         self.stop()
 
 
-def _connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
+def connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
     """Make sure this process is a Ray driver; returns True if it started/joined Ray here.
 
     `ray.init` replaces the SIGTERM handler (with one that exits, and its core worker's C
@@ -338,7 +358,7 @@ def start_server(
     if not join:
         check_port_free(config.server.host, config.server.port)
     guard = CallGuard(config.server)
-    started_ray = _connect_ray(config, ray_address)
+    started_ray = connect_ray(config, ray_address)
     actor = server = peer_server = journal = None
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
     try:
@@ -382,7 +402,13 @@ def start_server(
             raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"cannot listen on {target} (port in use?)")
-        frontend.scheduler.register(peer_address, slot if journal is not None else "")
+        public = Registration(
+            peer_address=peer_address,
+            slot=slot if journal is not None else "",
+            address=f"{_peer_host(config.server.host)}:{port}",  # = public_address
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
+        public.register(frontend)
         if journal is not None:
             _take_over_slot(frontend, assembler)
         guard.start()
@@ -418,7 +444,7 @@ def start_server(
         owns_actor=not join,
         peer_server=peer_server,
     )
-    sidecar.watch = _watch(sidecar, peer_address)
+    sidecar.watch = _watch(sidecar, public)
     return sidecar
 
 
@@ -429,14 +455,14 @@ def _set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
         health_servicer.set(name, status)
 
 
-def _watch(sidecar: SidecarServer, peer_address: str) -> ActorWatch:
+def _watch(sidecar: SidecarServer, registration: Registration) -> ActorWatch:
     """Start the front-end's watch on the scheduler actor (see `watch.py`)."""
     frontend = sidecar.frontend
     retention = frontend.retention
 
     def rejoin() -> None:
         frontend.scheduler.drop_notes()
-        frontend.scheduler.register(peer_address, frontend.slot if frontend.journal else "")
+        registration.register(frontend)
         if frontend.journal is not None:
             _take_over_slot(frontend, sidecar.assembler)
 

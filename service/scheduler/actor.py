@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from rlfeed.service.scheduler.records import (
     Fetch,
     FetchKind,
     FetchNote,
+    FrontendSeen,
     HeldBy,
     IngestKind,
     IngestReply,
@@ -41,6 +43,9 @@ from rlfeed.service.scheduler.state import Scheduler
 
 _log = logging.getLogger("rlfeed.service.scheduler.actor")
 _MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
+# A front-end whose watch (it asks every second) has not asked for this long is shown
+# "unresponsive" by `rlfeed status`.
+_SERVING_WITHIN_S = 3.0
 
 
 @dataclass
@@ -49,8 +54,18 @@ class _FrontEnd:
     its next call that answers with `Releases`."""
 
     peer_address: str
+    address: str = ""  # where clients reach it (host:port of its public port)
+    node_id: str = ""  # the Ray node it runs on
+    slot: str = ""
+    last_seen: float = field(default_factory=time.monotonic)  # its watch's last question
     released_keys: list[int] = field(default_factory=list)
     released_steps: list[int] = field(default_factory=list)
+
+    def seen(self, frontend_id: str, state: str | None = None) -> FrontendSeen:
+        ago = time.monotonic() - self.last_seen
+        if state is None:
+            state = "serving" if ago <= _SERVING_WITHIN_S else "unresponsive"
+        return FrontendSeen(frontend_id, self.address, self.node_id, self.slot, state, ago)
 
 
 class SchedulerActor:
@@ -72,6 +87,7 @@ class SchedulerActor:
         self._materializing: dict[int, tuple[str, StepWork]] = {}
         self._orphaned_work: dict[str, list[StepWork]] = {}  # slot -> work of its dead one
         self._orphaned: set[str] = set()  # front-ends declared dead: their calls are refused
+        self._restarting: dict[str, tuple[str, _FrontEnd]] = {}  # slot -> the dead one
         if config.journal.dir:
             self._scheduler = JournaledScheduler(config, Path(config.journal.dir), self._ref_of)
             self._recovered_work = self._scheduler.recovered_work
@@ -90,7 +106,11 @@ class SchedulerActor:
     def peer_token(self) -> str:
         return self._peer_token
 
-    def incarnation(self) -> str:
+    def incarnation(self, frontend_id: str = "") -> str:
+        """Which start of this actor answers; a front-end's watch asks every second, which
+        is also how `rlfeed status` knows it is alive."""
+        if frontend_id in self._frontends:
+            self._frontends[frontend_id].last_seen = time.monotonic()
         return self._incarnation
 
     def _require_registered(self, frontend_id: str) -> None:
@@ -106,13 +126,24 @@ class SchedulerActor:
                 "the front-end registers again within a second"
             )
 
-    def register_frontend(self, frontend_id: str, peer_address: str, slot: str = "") -> None:
+    def register_frontend(
+        self,
+        frontend_id: str,
+        peer_address: str,
+        slot: str = "",
+        address: str = "",
+        node_id: str = "",
+    ) -> None:
         """A front-end joined: other front-ends reach the ingest batches and responses it
         holds at `peer_address`; releases are kept for it from now on. `slot`: the folder
-        of its journal (its batch keys are positions there), if journaling."""
-        self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
+        of its journal (its batch keys are positions there), if journaling. `address` and
+        `node_id`: where clients reach it and its Ray node, for `rlfeed status`."""
+        known = self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
+        known.address, known.node_id, known.slot = address, node_id, slot
+        known.last_seen = time.monotonic()
         if slot:
             self._slots[frontend_id] = slot
+            self._restarting.pop(slot, None)
 
     def claim_slot(self, frontend_id: str, slot: str) -> SlotClaim:
         """The front-end serving `slot` takes over what recovery left in that slot's
@@ -140,7 +171,7 @@ class SchedulerActor:
             return []
         dead = [fid for fid, s in self._slots.items() if s == slot and fid in self._frontends]
         for frontend_id in dead:
-            self._frontends.pop(frontend_id)
+            self._restarting[slot] = (frontend_id, self._frontends.pop(frontend_id))
             self._orphaned.add(frontend_id)
             self._scheduler.orphan_frontend(frontend_id, slot, self._scheduler.step_refs())
             unstored = set(self._scheduler.unstored_steps(list(self._materializing)))
@@ -364,10 +395,13 @@ class SchedulerActor:
         return None
 
     def status(self) -> Any:
+        front_end_list = [known.seen(fid) for fid, known in self._frontends.items()]
+        front_end_list += [dead.seen(fid, "restarting") for fid, dead in self._restarting.values()]
         return replace(
             self._scheduler.status(),
             front_ends=len(self._frontends),
             notes_refused=self._notes_refused,
+            front_end_list=tuple(sorted(front_end_list, key=lambda f: (f.slot, f.frontend_id))),
         )
 
     def step_records(self, since_step: int = 0) -> list:
@@ -379,8 +413,15 @@ class SchedulerActor:
         return self._scheduler.pass_rate_estimates()
 
 
-def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
-    """Start the named scheduler actor; RuntimeError if one with that name already runs."""
+# Ray's resource of the head node: an actor asking a sliver of it runs there (Ray's own
+# state actors are placed so).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def create_scheduler_actor(config: SidecarConfig, on_head: bool = False) -> ray.actor.ActorHandle:
+    """Start the named scheduler actor; RuntimeError if one with that name already runs.
+    `on_head`: place it on the Ray head node (front-ends as actors live on workers, whose
+    loss must not take the scheduler along)."""
     name, namespace = config.ray.actor_name, config.ray.namespace
     try:
         ray.get_actor(name, namespace=namespace)
@@ -395,7 +436,12 @@ def create_scheduler_actor(config: SidecarConfig) -> ray.actor.ActorHandle:
     # With a journal Ray restarts a crashed actor, which rebuilds its state from it; without
     # one a restarted actor would start empty under the same name: the sidecar stops instead.
     restarts = -1 if config.journal.dir else 0
-    options = actor_class.options(name=name, namespace=namespace, max_restarts=restarts)
+    options = actor_class.options(
+        name=name,
+        namespace=namespace,
+        max_restarts=restarts,
+        resources={HEAD_NODE_RESOURCE: 0.001} if on_head else None,
+    )
     handle = options.remote(config, secrets.token_urlsafe(32))
     ray.get(handle.ping.remote())  # surface construction errors here, not on first use
     return handle

@@ -115,8 +115,16 @@ class SchedulerClient:
     def move_step(self, step: int, responses: list[StoredObject]) -> bool:
         return self._after_notes("move_step", step, responses)
 
-    def register(self, peer_address: str, slot: str = "") -> None:
-        ray.get(self.actor.register_frontend.remote(self.frontend_id, peer_address, slot))
+    def register(
+        self, peer_address: str, slot: str = "", address: str = "", node_id: str = ""
+    ) -> None:
+        """Join the scheduler: peers reach this front-end at `peer_address`, clients at
+        `address`; `slot` names its journal folder, `node_id` its Ray node."""
+        ray.get(
+            self.actor.register_frontend.remote(
+                self.frontend_id, peer_address, slot, address, node_id
+            )
+        )
 
     def journal_floor(self, slot: str) -> int | None:
         """After the pending notes: the oldest position of `slot` the scheduler needs."""
@@ -130,7 +138,7 @@ class SchedulerClient:
 
     def incarnation(self, timeout_s: float) -> str:
         """Which start of the actor answers (it changes when Ray restarts it)."""
-        return ray.get(self.actor.incarnation.remote(), timeout=timeout_s)
+        return ray.get(self.actor.incarnation.remote(self.frontend_id), timeout=timeout_s)
 
     def drop_notes(self) -> None:
         """Forget the pending notes: the actor they were for is gone, and the one that

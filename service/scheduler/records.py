@@ -264,6 +264,22 @@ class SampleResult:
 
 
 @dataclass(frozen=True)
+class FrontendSeen:
+    """A front-end as the scheduler actor sees it, for `rlfeed status`: where clients reach
+    it, the Ray node it runs on, its journal slot and its state: "serving" (its watch
+    asked within the last few seconds), "unresponsive" (registered, silent since: dead or
+    cut off, not yet replaced) or "restarting" (declared dead: its slot waits for the
+    front-end Ray starts in its place)."""
+
+    frontend_id: str
+    address: str
+    node_id: str
+    slot: str
+    state: str
+    last_seen_s: float  # seconds since its watch last asked (inf: never)
+
+
+@dataclass(frozen=True)
 class StatusSnapshot:
     next_step: int
     buffered_rollouts: int
@@ -284,3 +300,4 @@ class StatusSnapshot:
     held_bytes: int = 0  # counted against max_buffered_bytes (`Scheduler.held_bytes`)
     front_ends: int = 0  # registered with the scheduler actor (set by the actor)
     notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)
+    front_end_list: tuple[FrontendSeen, ...] = ()  # every front-end known (set by the actor)

@@ -1,0 +1,166 @@
+"""The driver's side of front-ends as Ray actors: create them where `[frontends]` says,
+wait until each serves, watch them while the sidecar runs, stop them with it.
+
+Ray does the process management: placement (one unit of `[frontends] resource` each, or
+SPREAD over the nodes), restarts after a crash or a lost node (`max_restarts=-1` with a
+journal, the restarted actor recovering its slot), and fate-sharing with this driver (the
+actors are owned by `rlfeed serve`: if it dies they go too, and a new `rlfeed serve` on
+the same journal resumes). Without a journal a front-end that dies took what it held in
+memory along, so it is not restarted and the sidecar stops, as with `--replicas`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import ray
+from rlfeed.service.config import SidecarConfig
+from rlfeed.service.frontends.actor import FrontendActor, FrontendPlace
+
+WATCH_TIMEOUT_S = 5.0  # an answer slower than this counts as down (restarting or cut off)
+
+
+class FrontendLost(RuntimeError):
+    """A front-end is gone for good, or not back within `[frontends] restart_timeout_s`:
+    the sidecar stops (exit 1); the message says which and why."""
+
+
+def frontend_actor_name(config: SidecarConfig, index: int) -> str:
+    return f"{config.ray.actor_name}-frontend-{index}"
+
+
+def _options(config: SidecarConfig, index: int) -> dict:
+    placement = config.frontends
+    options = {
+        "name": frontend_actor_name(config, index),
+        "namespace": config.ray.namespace,
+        "max_restarts": -1 if config.journal.dir else 0,
+        "num_cpus": placement.num_cpus,
+        "max_concurrency": 4,  # `place` and `stop` answer while gRPC threads serve
+    }
+    if placement.resource:
+        options["resources"] = {placement.resource: 1}
+    else:
+        options["scheduling_strategy"] = "SPREAD"
+    return options
+
+
+@dataclass
+class FrontendActors:
+    """The running front-end actors of this sidecar; `check()` while it runs, `stop()`."""
+
+    config: SidecarConfig
+    scheduler: ray.actor.ActorHandle
+    handles: list[ray.actor.ActorHandle]
+    places: list[FrontendPlace]
+    restarts: int = 0
+    _asked: dict[int, tuple[ray.ObjectRef, float]] = field(default_factory=dict)
+    _down_since: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [place.address for place in self.places]
+
+    def check(self) -> list[str]:
+        """Ask every front-end where it serves (one question each in flight, asked again
+        after `WATCH_TIMEOUT_S`); returns lines to log (a front-end back, on which node).
+        Raises `FrontendLost`."""
+        now, lines = time.monotonic(), []
+        for index, handle in enumerate(self.handles):
+            if index not in self._asked:
+                self._asked[index] = (handle.place.remote(), now)
+            ref, asked_at = self._asked[index]
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                del self._asked[index]
+                line = self._answered(index, ref)
+                if line:
+                    lines.append(line)
+            elif now - asked_at > WATCH_TIMEOUT_S:  # down: ask its next incarnation afresh
+                self._down_since.setdefault(index, asked_at)
+                self._asked[index] = (handle.place.remote(), now)
+            self._check_down(index, now)
+        return lines
+
+    def _answered(self, index: int, ref: ray.ObjectRef) -> str:
+        try:
+            place = ray.get(ref)
+        except ray.exceptions.ActorDiedError as exc:
+            without = (
+                "" if self.config.journal.dir else " (without [journal] dir what it held is lost)"
+            )
+            raise FrontendLost(f"front-end {index} died for good{without}: {exc}") from None
+        except ray.exceptions.RayError:  # unavailable: Ray is restarting it
+            self._down_since.setdefault(index, time.monotonic())
+            return ""
+        if place.lost_reason:
+            raise FrontendLost(f"front-end {index}: {place.lost_reason}")
+        self._down_since.pop(index, None)
+        before = self.places[index]
+        self.places[index] = place
+        if (place.pid, place.node_id) == (before.pid, before.node_id):
+            return ""
+        self.restarts += 1
+        return f"front-end {index} restarted by Ray: {place.address} on node {place.node_id[:12]}"
+
+    def _check_down(self, index: int, now: float) -> None:
+        since = self._down_since.get(index)
+        limit = self.config.frontends.restart_timeout_s
+        if since is not None and now - since > limit:
+            raise FrontendLost(
+                f"front-end {index} has not served for {now - since:.0f} s "
+                f"([frontends] restart_timeout_s = {limit:g}): no node to restart it on?"
+            )
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop every front-end (the scheduler actor first hears the whole sidecar stops,
+        so none hands data over), then kill the actors."""
+        if not self.handles:
+            return
+        with contextlib.suppress(Exception):  # gone already: nothing to hand over to
+            ray.get(self.scheduler.stop_sidecar.remote(), timeout=10)
+        stopping = [handle.stop.remote(grace_s) for handle in self.handles]
+        with contextlib.suppress(Exception):  # a dead or wedged one is killed below
+            ray.wait(stopping, num_returns=len(stopping), timeout=grace_s + 10)
+        for handle in self.handles:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        self.handles = []
+
+
+def start_frontend_actors(
+    config: SidecarConfig, scheduler: ray.actor.ActorHandle, timeout_s: float = 180.0
+) -> FrontendActors:
+    """Create `[frontends] count` front-end actors and return once each serves.
+    RuntimeError (the created ones killed) when one fails to start or is not placed in
+    time (no node offers the resource, or not enough CPUs)."""
+    actor_class = ray.remote(FrontendActor)
+    handles = [
+        actor_class.options(**_options(config, index)).remote(config, index)
+        for index in range(config.frontends.count)
+    ]
+    actors = FrontendActors(config, scheduler, handles, places=[])
+    try:
+        refs = [handle.place.remote() for handle in handles]
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if waiting:
+            wanted = config.frontends.resource
+            where = f"a node offering resource {wanted!r}" if wanted else "a node with CPUs"
+            unplaced = ", ".join(str(refs.index(ref)) for ref in waiting)
+            raise RuntimeError(
+                f"front-end(s) {unplaced} not serving after {timeout_s:.0f} s: does the Ray "
+                f"cluster have {where} free for each of the {len(refs)} front-ends "
+                f"([frontends] num_cpus = {config.frontends.num_cpus:g})?"
+            )
+        try:
+            actors.places = ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"a front-end failed to start: {exc}") from None
+    except BaseException:
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        raise
+    return actors

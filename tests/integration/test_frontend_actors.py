@@ -1,0 +1,215 @@
+"""Front-ends as Ray actors across nodes: a Ray cluster of four nodes on this machine (a
+head, and three workers offering the custom resource `rlfeed_frontend`), `rlfeed serve
+--frontends 2 --frontend-resource rlfeed_frontend --journal-dir` joining it. The
+scheduler actor runs on the head, the two front-ends on two different workers; producer
+i and trainer rank i talk to front-end i only. Mid-run the worker node of front-end 0 is
+killed (all its processes, SIGKILL): Ray restarts the front-end on the spare worker, on
+the same port, from its journal slot, and the clients ride through.
+
+Checked over the whole history, as in `test_crash_loop.py`: every acknowledged rollout
+served in exactly one step, nothing served that was not acknowledged, a (step, rank)
+never served with two contents, and a step fetched again from the other front-end is
+byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+
+_spec = importlib.util.spec_from_file_location(
+    "exactly_once", Path(__file__).with_name("exactly_once.py")
+)
+exactly_once = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exactly_once)
+
+RESOURCE = "rlfeed_frontend"
+# A Ray cluster of one head and three worker nodes, owned by this process; it removes the
+# worker node named on each stdin line (SIGKILL to all its processes, as a machine loss).
+_CLUSTER = f"""
+import json, sys
+from ray.cluster_utils import Cluster
+
+cluster = Cluster(
+    initialize_head=True,
+    head_node_args={{
+        "num_cpus": 1,
+        # Find a dead node within about a second, not Ray's default 15 s or so.
+        "_system_config": {{"health_check_period_ms": 300, "health_check_failure_threshold": 3}},
+    }},
+)
+workers = [cluster.add_node(num_cpus=1, resources={{"{RESOURCE}": 1}}) for _ in range(3)]
+cluster.wait_for_nodes()
+print(json.dumps({{
+    "address": cluster.address,
+    "head": cluster.head_node.node_id,
+    "workers": [node.node_id for node in workers],
+}}), flush=True)
+for line in sys.stdin:
+    node = next(node for node in workers if node.node_id == line.strip())
+    cluster.remove_node(node, allow_graceful=False)
+    print("removed", flush=True)
+cluster.shutdown()
+"""
+
+
+class Lines:
+    """A child's stdout, line by line, each wait bounded (a reader thread: select() on a
+    buffered pipe misses lines already read into the buffer)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self._lines = process, queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def next(self, timeout_s: float, what: str) -> str:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"{what}: nothing within {timeout_s} s") from None
+        assert line, f"{what}: the process exited ({self.process.wait()})"
+        return line
+
+
+def _status(address: str) -> pb.StatusResponse | None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return pb_grpc.SidecarStatusStub(channel).GetStatus(pb.GetStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+
+
+def _serving_nodes(address: str) -> dict[str, str]:
+    """slot -> Ray node id of every front-end the sidecar at `address` shows serving."""
+    status = _status(address)
+    if status is None:
+        return {}
+    return {f.slot: f.node_id for f in status.front_end_list if f.state == "serving"}
+
+
+class NodeLoss:
+    """Kill the worker node hosting front-end 0; return once it serves again elsewhere."""
+
+    def __init__(self, cluster: Lines, addresses: list[str]) -> None:
+        self.cluster, self.addresses = cluster, addresses
+        self.back_after: list[float] = []
+        self.moved: list[tuple[str, str]] = []  # (node before, node after)
+
+    def __call__(self) -> None:
+        before = _serving_nodes(self.addresses[1])["frontend-0"]
+        self.cluster.process.stdin.write(before + "\n")
+        self.cluster.process.stdin.flush()
+        assert self.cluster.next(60, "removing the node").strip() == "removed"
+        start = time.monotonic()
+        while True:
+            after = _serving_nodes(self.addresses[1]).get("frontend-0")
+            if after not in (None, before) and _status(self.addresses[0]) is not None:
+                break
+            assert time.monotonic() - start < 120, "front-end 0 did not come back"
+            time.sleep(0.2)
+        self.back_after.append(time.monotonic() - start)
+        self.moved.append((before, after))
+
+
+def _fetch(address: str, step: int, rank: int) -> bytes:
+    with grpc.insecure_channel(address) as channel:
+        get = channel.unary_unary(
+            "/rlfeed.v1.BatchServing/GetBatch",
+            request_serializer=pb.GetBatchRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        return get(pb.GetBatchRequest(step=step, rank=rank, timeout_ms=1000), timeout=10)
+
+
+@pytest.mark.timeout(600)
+def test_front_ends_on_two_nodes_survive_the_loss_of_one(tmp_path: Path) -> None:
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    env = {**os.environ, **auth}
+    cluster = subprocess.Popen(
+        [sys.executable, "-c", _CLUSTER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    serve = None
+    log = tmp_path / "serve.err"
+    try:
+        cluster_lines = Lines(cluster)
+        nodes = json.loads(cluster_lines.next(180, "starting the Ray cluster"))
+        config = tmp_path / "rlfeed.toml"
+        config.write_text(exactly_once.CONFIG + '[frontends]\nports = "consecutive"\n')
+        port = exactly_once.free_port()
+        serve = subprocess.Popen(
+            [
+                sys.executable, "-m", "rlfeed", "serve", "--config", str(config),
+                "--ray-address", nodes["address"], "--port", str(port),
+                "--journal-dir", str(tmp_path / "journal"),
+                "--frontends", "2", "--frontend-resource", RESOURCE,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+            env=env,
+        )  # fmt: skip
+        serve_lines = Lines(serve)
+        while "listening on" not in (line := serve_lines.next(180, "rlfeed serve")):
+            pass
+        addresses = line.split()[4].split(",")
+        assert addresses == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], line
+
+        placed = _serving_nodes(addresses[0])
+        assert set(placed) == {"frontend-0", "frontend-1"}
+        assert placed["frontend-0"] != placed["frontend-1"], "both front-ends on one node"
+        assert set(placed.values()) <= set(nodes["workers"]), "a front-end on the head"
+
+        loss = NodeLoss(cluster_lines, addresses)
+        run = exactly_once.run_clients(addresses, loss, kills=1, num_groups=60, seed=11)
+        exactly_once.check_exactly_once(run)
+        exactly_once.report(run)
+        assert run["mid_ingest"] >= 1, "the node was lost after the producers finished"
+        ((before, after),) = loss.moved
+        assert after in nodes["workers"] and after not in (before, placed["frontend-1"])
+        print(f"front-end 0 back on another node after {loss.back_after[0]:.1f} s")
+
+        # Any front-end serves any (step, rank), byte-identical to what the ranks got.
+        last = run["steps"] - 1
+        for rank in range(exactly_once.WORLD_SIZE):
+            for address in addresses:
+                digest = hashlib.sha256(_fetch(address, last, rank)).hexdigest()
+                assert run["history"].served[(last, rank)] == {digest}
+        deadline = time.monotonic() + 30  # the driver asks every second
+        while "front-end 0 restarted by Ray" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        assert serve.poll() is None, "rlfeed serve stopped"
+        serve.terminate()
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve is not None and serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        cluster.stdin.close()  # it shuts its Ray cluster down
+        try:
+            cluster.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
+            cluster.wait()
