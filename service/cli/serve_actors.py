@@ -5,11 +5,13 @@ itself. It prints where each front-end listens, then one line
     rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors)
 
 whose address list a client takes as it is (round-robin over the front-ends). It watches
-the front-ends until told to stop (exit 0) or one is gone for good (exit 1, said why).
+the front-ends until told to stop (exit 0) or one is gone for good (exit 1, said why);
+SIGHUP makes every front-end re-read the token file.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 
@@ -40,6 +42,8 @@ def serve_frontend_actors(
                 f"serves {place.address}{metrics}",
                 flush=True,
             )
+        if hasattr(signal, "SIGHUP"):  # token rotation, as for in-process front-ends
+            signal.signal(signal.SIGHUP, lambda signum, frame: actors.reload_tokens())
         addresses = ",".join(actors.addresses)
         count = len(actors.places)
         print(

@@ -92,6 +92,11 @@ class FrontendActor:
             lost_reason=sidecar.lost_reason if sidecar.lost.is_set() else "",
         )
 
+    def reload_tokens(self) -> None:
+        """Re-read `[security] auth_token_file` (the driver got SIGHUP: rotation)."""
+        if self._sidecar.security.tokens is not None:
+            self._sidecar.security.tokens.reload()
+
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (the driver stops the sidecar: nothing to hand over)."""
         try:

@@ -48,10 +48,11 @@ class FrontendsConfig:
         'Service in front); "consecutive": front-end i binds port + i (several on one host)',
     )
     num_cpus: float = _f(1.0, "CPUs Ray reserves for each front-end actor")
-    restart_timeout_s: float = _f(
+    serving_timeout_s: float = _f(
         120.0,
-        "a front-end that Ray has not brought back serving within this many seconds of its "
-        "death stops the sidecar (exit 1), seconds",
+        "a front-end not serving within this many seconds of its start (not placed: no "
+        "node offers the resource or the CPUs) or of its death (no node to restart it "
+        "on) stops the sidecar, exit 1; seconds",
     )
 
     def __post_init__(self) -> None:
@@ -60,7 +61,7 @@ class FrontendsConfig:
             self.ports in PORT_MODES, "ports", f"must be one of {PORT_MODES}, got {self.ports!r}"
         )
         _require(self.num_cpus >= 0, "num_cpus", "must be >= 0")
-        _require(self.restart_timeout_s > 0, "restart_timeout_s", "must be > 0")
+        _require(self.serving_timeout_s > 0, "serving_timeout_s", "must be > 0")
 
     def port_of(self, base_port: int, index: int) -> int:
         """The gRPC (or metrics) port front-end `index` binds, from the configured one."""

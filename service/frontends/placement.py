@@ -23,7 +23,7 @@ WATCH_TIMEOUT_S = 5.0  # an answer slower than this counts as down (restarting o
 
 
 class FrontendLost(RuntimeError):
-    """A front-end is gone for good, or not back within `[frontends] restart_timeout_s`:
+    """A front-end is gone for good, or not back within `[frontends] serving_timeout_s`:
     the sidecar stops (exit 1); the message says which and why."""
 
 
@@ -107,12 +107,18 @@ class FrontendActors:
 
     def _check_down(self, index: int, now: float) -> None:
         since = self._down_since.get(index)
-        limit = self.config.frontends.restart_timeout_s
+        limit = self.config.frontends.serving_timeout_s
         if since is not None and now - since > limit:
             raise FrontendLost(
                 f"front-end {index} has not served for {now - since:.0f} s "
-                f"([frontends] restart_timeout_s = {limit:g}): no node to restart it on?"
+                f"([frontends] serving_timeout_s = {limit:g}): no node to restart it on?"
             )
+
+    def reload_tokens(self) -> None:
+        """Every front-end re-reads the token file (SIGHUP to `rlfeed serve`); does not
+        wait: a front-end restarting reads the file as it starts anyway."""
+        for handle in self.handles:
+            handle.reload_tokens.remote()
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop every front-end (the scheduler actor first hears the whole sidecar stops,
@@ -131,12 +137,13 @@ class FrontendActors:
 
 
 def start_frontend_actors(
-    config: SidecarConfig, scheduler: ray.actor.ActorHandle, timeout_s: float = 180.0
+    config: SidecarConfig, scheduler: ray.actor.ActorHandle
 ) -> FrontendActors:
     """Create `[frontends] count` front-end actors and return once each serves.
-    RuntimeError (the created ones killed) when one fails to start or is not placed in
-    time (no node offers the resource, or not enough CPUs)."""
+    RuntimeError (the created ones killed) when one fails to start or does not serve
+    within `[frontends] serving_timeout_s` (no node offers the resource, or the CPUs)."""
     actor_class = ray.remote(FrontendActor)
+    timeout_s = config.frontends.serving_timeout_s
     handles = [
         actor_class.options(**_options(config, index)).remote(config, index)
         for index in range(config.frontends.count)

@@ -196,10 +196,7 @@ def test_front_ends_on_two_nodes_survive_the_loss_of_one(tmp_path: Path) -> None
             for address in addresses:
                 digest = hashlib.sha256(_fetch(address, last, rank)).hexdigest()
                 assert run["history"].served[(last, rank)] == {digest}
-        deadline = time.monotonic() + 30  # the driver asks every second
-        while "front-end 0 restarted by Ray" not in log.read_text(errors="replace"):
-            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.2)
+        _wait_for_log(log, "front-end 0 restarted by Ray")  # the driver asks every second
         assert serve.poll() is None, "rlfeed serve stopped"
         serve.terminate()
         assert serve.wait(timeout=60) == 0
@@ -213,3 +210,77 @@ def test_front_ends_on_two_nodes_survive_the_loss_of_one(tmp_path: Path) -> None
         except subprocess.TimeoutExpired:
             cluster.kill()
             cluster.wait()
+
+
+def _serve_embedded(tmp_path: Path, *flags: str, config: str = "") -> subprocess.Popen:
+    """`rlfeed serve` on an embedded Ray, its stderr in tmp_path/serve.err."""
+    path = tmp_path / "rlfeed.toml"
+    path.write_text(exactly_once.CONFIG + config)
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "rlfeed", "serve", "--config", str(path),
+            "--port", str(exactly_once.free_port()), *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "serve.err").open("w"),
+        text=True,
+    )  # fmt: skip
+
+
+def _wait_for_log(log: Path, text: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+
+
+def _frontend_pids() -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "ray::FrontendActor"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+@pytest.mark.timeout(300)
+def test_a_front_end_that_is_never_placed_stops_the_sidecar_naming_the_resource(tmp_path) -> None:
+    serve = _serve_embedded(
+        tmp_path,
+        "--frontends", "1", "--frontend-resource", "no_such_node",
+        config="[frontends]\nserving_timeout_s = 3\n",
+    )  # fmt: skip
+    try:
+        assert serve.wait(timeout=120) == 1
+    finally:
+        serve.kill()
+    errors = (tmp_path / "serve.err").read_text()
+    assert "not serving after 3 s" in errors and "'no_such_node'" in errors, errors[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_front_end_is_restarted_with_a_journal_and_stops_the_sidecar_without(
+    tmp_path,
+) -> None:
+    """SIGKILL to the front-end actor's process. With a journal Ray restarts it on its slot
+    (the sidecar serves again at the same address); without one what it held is gone, so
+    the sidecar stops (exit 1) instead of serving with a hole."""
+    for journal in (True, False):
+        flags = ("--journal-dir", str(tmp_path / "journal")) if journal else ()
+        serve = _serve_embedded(tmp_path, "--frontends", "1", *flags)
+        try:
+            lines = Lines(serve)
+            while "listening on" not in (line := lines.next(180, "rlfeed serve")):
+                pass
+            address = line.split()[4]
+            (pid,) = _frontend_pids()
+            os.kill(pid, 9)
+            if journal:
+                _wait_for_log(tmp_path / "serve.err", "front-end 0 restarted by Ray")
+                assert _serving_nodes(address).get("frontend-0"), "not serving after restart"
+                serve.terminate()
+                assert serve.wait(timeout=60) == 0
+            else:
+                assert serve.wait(timeout=60) == 1
+        finally:
+            serve.kill()
+            serve.wait()
+        errors = (tmp_path / "serve.err").read_text()
+        expected = "front-end 0 restarted by Ray" if journal else "no [journal] dir"
+        assert expected in errors, errors[-2000:]
