@@ -212,7 +212,8 @@ def test_the_journal_is_one_shared_volume_at_the_same_path_everywhere(tmp_path) 
 
 def test_security_files_are_mounted_wherever_a_frontend_runs(tmp_path) -> None:
     """The ConfigMap's commented [security] example, switched on, loads, and its paths lie in
-    the Secret's mount on every pod (a front-end may run on any worker pod)."""
+    the Secret's mount in every container (a front-end may run on any worker pod; the head's
+    `rlfeed serve` resolves the same config)."""
     commented = re.findall(r"^# (\[security\]|\w+ = .*)$", _configmap_text(), flags=re.M)
     assert commented[0] == "[security]"
     config_file = tmp_path / "rlfeed.toml"
@@ -220,7 +221,7 @@ def test_security_files_are_mounted_wherever_a_frontend_runs(tmp_path) -> None:
     security = load_config(config_file).security
     paths = [security.tls_cert, security.tls_key, security.auth_token_file]
     assert all(paths)
-    for container in (_worker_container(), _head_containers()["ray-head"]):
+    for container in _all_containers():
         secret_dir = Path(_mounts(container)["security"])
         assert all(Path(path).parent == secret_dir for path in paths), container["name"]
 
@@ -283,6 +284,8 @@ def _discovered_targets(cluster_name: str) -> list[dict[str, str]]:
     port, with the pod's labels (sanitised: ray.io/group -> ray_io_group)."""
     pods = [("headgroup", "head", _head_containers().values())]
     pods += [("frontends", "worker", [_worker_container()])]
+    # Another worker group with a port named metrics (e.g. trainers added to the cluster).
+    pods += [("other-workers", "worker", [_worker_container()])]
     targets = []
     for number, (group, node_type, containers) in enumerate(pods):
         labels = {**_pod_labels(group, node_type), "ray.io/cluster": cluster_name}
