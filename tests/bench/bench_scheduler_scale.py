@@ -1,30 +1,45 @@
 """How the scheduler's per-step work grows with rollouts per step, from metadata alone.
 
-    .venv/bin/python tests/bench/bench_scheduler_scale.py                 # ~2 min on 2 cores
-    .venv/bin/python tests/bench/bench_scheduler_scale.py --sizes 10000,100000   # ~20 s
+    .venv/bin/python tests/bench/bench_scheduler_scale.py                   # 30-60 s on 2 cores
+    .venv/bin/python tests/bench/bench_scheduler_scale.py --sizes 10000,100000   # ~10 s
+    .venv/bin/python tests/bench/bench_scheduler_scale.py --no-gc   # what Python's GC adds
 
 No token moves: what one scheduler actor does per step, at 10k, 100k and 1M rollouts a step
-(peak ~6 GB of memory at 1M). The workload is bench_batching's long-tailed one (log-normal,
+(peak RSS ~0.9 GB, at 1M). The workload is bench_batching's long-tailed one (log-normal,
 median 8,192 tokens, sigma 0.85, capped at 65,536), in groups of 8 rollouts (one group per
 task, rewards Bernoulli(p) with p per task), ingested in batches of 256 rollouts (the
 producer's default cap), token budget 131,072, world size 8 / 64 / 256 ranks, compute
 balanced with Qwen3-0.6B's attention weight (the config's default). Per size, twice: with
 those lengths ("x10") and with a tenth of them ("x1"), same rollouts, 10x fewer tokens.
 
-Timed (one core; the median of 3 runs, 1 at 1M):
-- `assemble_step`: the pure planning in `sched/` (advantages, token-budget packing, rank
-  balancing), and inside it `plan_microbatches` alone;
-- `Scheduler.ingest_batch` over the whole step (grouping, dedup, backpressure checks, pass
-  rates and zero-advantage check of completed groups), per rollout;
-- `Scheduler.plan_ready_steps` (the step's bookkeeping around `assemble_step`: arrival
+Timed on one core, best of 3 runs (1 at 1M):
+- plan: `plan_microbatches` (token-budget packing and rank balancing; spreading only up
+  to 50,000 sequences, so 10k pays for it and 100k does not);
+- assemble: `assemble_step`, the pure planning in `sched/` (advantages, then plan);
+- ingest: every `Scheduler.ingest_batch` of the step (grouping, dedup, backpressure checks,
+  pass rates and the zero-advantage check of completed groups);
+- step: `Scheduler.plan_ready_steps` (assemble_step plus the bookkeeping around it: arrival
   order, the work record, releasing rows, remembering closed groups);
-- `store_step`, a fetch per rank and an acknowledgement per rank (per step, not per
-  rollout).
-Then `x10 / x1`: how much 10x the tokens costs at the same rollout count (about 1 when the
-work is proportional to rollouts), and the per-rollout cost from one size to the next (flat
-when linear, growing with n when super-linear). Last, the memory the scheduler holds per
-buffered rollout and per remembered closed rollout (tracemalloc, at 100k: every id string,
-tuple and dict entry it keeps; the ids are allocated fresh, as decoding does).
+- release: `store_step`, then a fetch and an acknowledgement per rank.
+Then x10 / x1 (about 1 when the work follows rollouts, not tokens), the per-rollout cost
+from one size to the next (1 = linear), and the memory the scheduler holds per buffered
+rollout and per closed rollout it remembers for dedup (tracemalloc at 100k; ids are made
+fresh, as decoding makes them).
+
+Seen on the shared 2-core dev machine (quiet run; under other agents' load the same figures
+came out up to 2.5x higher, so compare within a run). Per rollout, x10 tokens:
+ingest 1.9 / 2.5 / 3.8-4.7 us at 10k / 100k / 1M, step 0.9 / 2.1 / 3.3 us, assemble 1.4 /
+0.5 / 0.4 us (plan 0.25 s and assemble 0.4 s per 1M-rollout step), release 0.1 / 0.5 /
+5-12 ms per step. x10 / x1: ingest 0.8-1.06, step 0.9-1.2; plan 1.3-3.7 (x1 is cheaper,
+not x10 dearer: its lengths have a tenth of the distinct values, so FFD takes more equal
+lengths per step, and it has a tenth of the microbatches; both are bounded by the rollout
+count). The per-rollout growth of ingest and step from 10k to 1M is CPython's cyclic GC
+walking the buffered state: with `--no-gc` ingest was 1.7 / 1.8 / 2.1 us and
+plan_ready_steps 3.4 / 1.4 / 1.5 us per rollout. Memory: 388 bytes per buffered rollout,
+151 bytes per remembered closed one. Before this script, ingest at 1M (x1) took 85 s (85 us
+a rollout, against 4.7 s after): three per-batch costs grew with the task pool or the
+buffered groups (see `Scheduler._admit`, `_ranks_can_make_room`, `update_pass_rates`
+in_place).
 """
 
 from __future__ import annotations
@@ -38,7 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from bench_batching import BUDGET, long_tailed_workload, median_seconds
+from bench_batching import BUDGET, long_tailed_workload
+from bench_curriculum import best_of
 from rlfeed.sched.assembly import StepRollouts, assemble_step
 from rlfeed.sched.planning import plan_microbatches
 from rlfeed.service.config import SidecarConfig, with_overrides
@@ -120,7 +136,7 @@ class Timing:
     plan: float = 0.0  # plan_microbatches
     assemble: float = 0.0  # assemble_step (includes plan)
     ingest: float = 0.0  # every ingest_batch of the step
-    bookkeeping: float = 0.0  # plan_ready_steps minus its assemble_step
+    step: float = 0.0  # plan_ready_steps (assemble_step and the bookkeeping around it)
     release: float = 0.0  # store_step + a fetch and an ack per rank
 
 
@@ -134,7 +150,8 @@ def time_step(work: Workload, world_size: int, repeats: int, *, collect: bool) -
         group_ids=work.group_of,
     )
     timing = Timing(
-        plan=median_seconds(
+        plan=best_of(
+            repeats,
             lambda: plan_microbatches(
                 work.lengths,
                 BUDGET,
@@ -142,9 +159,8 @@ def time_step(work: Workload, world_size: int, repeats: int, *, collect: bool) -
                 attention_weight=step_config.attention_weight,
                 compute_weight=step_config.compute_weight,
             ),
-            repeats,
         ),
-        assemble=median_seconds(lambda: assemble_step(rollouts, step_config), repeats),
+        assemble=best_of(repeats, lambda: assemble_step(rollouts, step_config)),
     )
     metas = list(batches(work))
     ingest, planning, release = [], [], []
@@ -168,13 +184,11 @@ def time_step(work: Workload, world_size: int, repeats: int, *, collect: bool) -
             scheduler.ack_steps(rank, planned.step)
         release.append(time.perf_counter() - started)
         gc.enable()
-    timing.ingest = float(np.median(ingest))
-    timing.bookkeeping = max(float(np.median(planning)) - timing.assemble, 0.0)
-    timing.release = float(np.median(release))
+    timing.ingest, timing.step, timing.release = min(ingest), min(planning), min(release)
     return timing
 
 
-PARTS = ("plan", "assemble", "ingest", "bookkeeping")
+PARTS = ("plan", "assemble", "ingest", "step")
 
 
 def print_table(sizes: list[int], *, collect: bool) -> dict[tuple[int, int], Timing]:
