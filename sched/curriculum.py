@@ -105,7 +105,8 @@ class CurriculumConfig:
 
 @dataclass(frozen=True)
 class PassRates:
-    """Curriculum state over T tasks (all arrays [T]); treat as immutable.
+    """Curriculum state over T tasks (all arrays [T]); treat as immutable (its owner may
+    update it with `update_pass_rates(..., in_place=True)`).
 
     estimate:   float64, the pass rate used by the filter (initial_estimate until visited).
     visits:     int64, groups seen per task.
@@ -240,6 +241,8 @@ def update_pass_rates(
     group_mean_reward: ArrayLike,
     group_size: ArrayLike,
     config: CurriculumConfig,
+    *,
+    in_place: bool = False,
 ) -> PassRates:
     """New state after observing groups (one call per training step).
 
@@ -251,6 +254,11 @@ def update_pass_rates(
     single-group updates would be: "last" keeps the last occurrence; "ema" and "beta" use
     the closed form of the sequential recursion (p_m = (1-w)^m p_0 + w sum (1-w)^(m-i) x_i),
     so the cost is one sort, not a loop. alpha/beta are updated for every estimator.
+
+    in_place: write into `state`'s arrays instead of copies, so a call costs O(m log m)
+    rather than O(T): for a caller that owns `state` and updates it often (the scheduler,
+    once per ingest batch, over pools of up to a million tasks). The result is identical;
+    `state` itself then holds the new arrays (only its num_updates stays old).
     """
     if (config.prior_alpha, config.prior_beta) != (state.prior_alpha, state.prior_beta):
         raise ValueError(
@@ -261,6 +269,9 @@ def update_pass_rates(
     num_updates = state.num_updates + 1
     if tasks.size == 0:
         return replace(state, num_updates=num_updates)
+
+    def own(array: np.ndarray) -> np.ndarray:
+        return array if in_place else array.copy()
 
     order, sorted_tasks = _stable_order(tasks, state.num_tasks)
     x = means[order]
@@ -276,14 +287,14 @@ def update_pass_rates(
     gamma = config.beta_forgetting
     decay_all = np.power(gamma, counts)
     successes = x * sizes[order]
-    alpha = state.alpha.copy()
-    beta = state.beta.copy()
+    alpha = own(state.alpha)
+    beta = own(state.beta)
     alpha[task] = state.prior_alpha + decay_all * (alpha[task] - state.prior_alpha)
     alpha[task] += discounted_sum(successes, gamma)
     beta[task] = state.prior_beta + decay_all * (beta[task] - state.prior_beta)
     beta[task] += discounted_sum(sizes[order] - successes, gamma)
 
-    estimate = state.estimate.copy()
+    estimate = own(state.estimate)
     if config.estimator == "last":
         estimate[task] = x[starts + counts - 1]
     elif config.estimator == "ema":
@@ -300,9 +311,9 @@ def update_pass_rates(
     else:
         estimate[task] = alpha[task] / (alpha[task] + beta[task])
 
-    visits = state.visits.copy()
+    visits = own(state.visits)
     visits[task] += counts
-    last_visit = state.last_visit.copy()
+    last_visit = own(state.last_visit)
     last_visit[task] = num_updates
     return replace(
         state,

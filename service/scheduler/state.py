@@ -201,8 +201,9 @@ class Scheduler:
         rollouts = self.config.rollouts
         ids, tasks = meta.rollout_ids, meta.task_ids
         oldest_allowed = newest - rollouts.max_policy_lag
-        unknown = {tasks[row] for rows in by_group.values() for row in rows}
-        unknown.difference_update(self._task_index)
+        # One lookup per task of the batch: a set difference with the pool walks the pool.
+        batch_tasks = {tasks[row] for rows in by_group.values() for row in rows}
+        unknown = {task for task in batch_tasks if task not in self._task_index}
         if unknown:
             row = min(row for rows in by_group.values() for row in rows if tasks[row] in unknown)
             problem = f"unknown task {tasks[row]!r}"
@@ -467,7 +468,8 @@ class Scheduler:
         buffered groups, which may sit behind the refused batch."""
         if self._rollouts_in_steps:
             return True
-        complete = sum(group_id not in dropping for group_id in self._complete)
+        # Per dropped group, not per complete one: this runs for every batch.
+        complete = len(self._complete) - sum(group_id in self._complete for group_id in dropping)
         return complete >= self.config.rollouts.prompts_per_step
 
     def record_rejection(self) -> None:
@@ -543,8 +545,14 @@ class Scheduler:
         # Rewards are treated as pass fractions for the estimate (clipped into [0, 1]).
         means = np.clip(np.bincount(group_of, weights=rewards) / np.bincount(group_of), 0, 1)
         tasks = np.array([self._task_index[group.task_id] for group in groups], dtype=np.int64)
+        # In place: this runs per ingest batch, and a copy would cost O(task pool) each time.
         self._pass_rates = update_pass_rates(
-            self._pass_rates, tasks, means, self.config.rollouts.group_size, self._curriculum
+            self._pass_rates,
+            tasks,
+            means,
+            self.config.rollouts.group_size,
+            self._curriculum,
+            in_place=True,
         )
         zero_rows = zero_advantage_groups(rewards, group_of)
         zero_groups = np.zeros(len(groups), dtype=bool)

@@ -85,6 +85,35 @@ def test_estimators_match_sequential_per_group_loop(seed, estimator, ema_decay, 
     np.testing.assert_allclose(state.beta, beta, rtol=1e-12)
 
 
+ARRAYS = ("estimate", "visits", "alpha", "beta", "last_visit")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), estimator=st.sampled_from(["last", "ema", "beta"]))
+def test_in_place_updates_give_exactly_the_copying_result(seed, estimator):
+    rng = np.random.default_rng(seed)
+    config = CurriculumConfig(estimator=estimator, ema_decay=0.5, beta_forgetting=0.7)
+    calls = random_calls(rng, num_tasks=9, num_calls=5, max_groups=12)
+    copying = run_calls(9, calls, config)
+    state = init_pass_rates(9, config)
+    for tasks, means, sizes in calls:
+        state = update_pass_rates(state, tasks, means, sizes, config, in_place=True)
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(state, name), getattr(copying, name), err_msg=name)
+    assert state.num_updates == copying.num_updates
+
+
+@pytest.mark.parametrize("estimator", ["last", "ema", "beta"])
+def test_an_update_that_is_not_in_place_leaves_the_given_state_as_it_was(estimator):
+    config = CurriculumConfig(estimator=estimator)
+    state = update_pass_rates(init_pass_rates(4, config), [0, 1], [0.5, 1.0], GROUP, config)
+    before = {name: getattr(state, name).copy() for name in ARRAYS}
+    after = update_pass_rates(state, [1, 2, 1], [0.25, 0.0, 0.75], GROUP, config)
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(state, name), before[name], err_msg=name)
+    assert not np.array_equal(after.visits, before["visits"])
+
+
 def test_last_keeps_the_last_occurrence_within_one_call():
     config = CurriculumConfig(estimator="last")
     state = init_pass_rates(3, config)
