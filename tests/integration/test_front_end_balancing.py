@@ -171,21 +171,33 @@ def test_producer_and_loader_spread_over_two_front_ends_and_lose_nothing_when_on
         assert all(s.batches > 0 and s.samples > 0 for s in seen.values()), {
             side: vars(s) for side, s in seen.items()
         }
-        # The loader's prefetcher is polling for step 4 and the writer sending when the
-        # replica stops (it hands what it holds to the sidecar and leaves).
+        # The replica stops (it hands what it holds to the sidecar and leaves) while the
+        # writer sends steps 4-7, one every 0.2 s, and the loader's prefetcher polls.
         later: list[str] = []
-        producing = threading.Thread(
-            target=lambda: [later.extend(write_step(writer, s)) for s in range(4, 8)],
-            daemon=True,
-        )
+        failed: list[BaseException] = []
+        sent_before = seen["replica"].batches
+
+        def produce() -> None:
+            try:
+                for step in range(4, 8):
+                    later.extend(write_step(writer, step))
+                    writer.flush(timeout_s=30)  # raises whatever the writer met
+                    time.sleep(0.2)
+            except BaseException as exc:  # the test fails on it below
+                failed.append(exc)
+
+        producing = threading.Thread(target=produce, daemon=True)
         producing.start()
+        deadline = time.monotonic() + 10
+        while seen["replica"].batches == sent_before:  # the replica is in use
+            assert time.monotonic() < deadline, "no batch of steps 4-7 reached the replica"
+            time.sleep(0.01)
         replica.stop(grace=0.5)
         replica_seen = vars(seen["replica"]).copy()
         for _ in range(4):
             served += [r for mb in next(steps) for r in mb.rollout_ids]
         producing.join(timeout=30)
-        assert not producing.is_alive()
-        writer.flush(timeout_s=30)  # raises whatever the writer met
+        assert not producing.is_alive() and not failed, failed
         written += later
     finally:
         writer.close()
