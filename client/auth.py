@@ -11,7 +11,10 @@ plain sidecar (the README examples) runs unchanged against a secured one:
     tls_cert         RLFEED_TLS_CERT      PEM client certificate for mutual TLS (TLS too)
     tls_key          RLFEED_TLS_KEY       its PEM private key
     tls_server_name  RLFEED_TLS_SERVER_NAME  name to verify in the sidecar's certificate
-                                          when it differs from the address's host
+                                          when it differs from the address's host; needed
+                                          for a list of front-ends on several hosts
+                                          (`client/addressing.py`), every one of whose
+                                          certificates must carry it
 
 An argument of "" means "none" and skips the environment. With TLS but no `tls_ca`, the
 system's root certificates verify the sidecar. The token rides as `authorization: Bearer
@@ -31,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlfeed.client.addressing import SidecarTarget, parse_address, tls_name
 
 _log = logging.getLogger(__name__)
 
@@ -118,9 +123,15 @@ class ChannelSecurity:
         )
 
 
-def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost" or address.startswith("unix:"):
+def _is_loopback(target: SidecarTarget) -> bool:
+    """Every host the target names is this machine (a unix: socket is)."""
+    if target.address.startswith("unix"):
+        return True
+    return bool(target.hosts) and all(_host_is_loopback(host) for host in target.hosts)
+
+
+def _host_is_loopback(host: str) -> bool:
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -178,27 +189,32 @@ def _bearer_interceptor(token: str) -> Any:
 def open_channel(
     address: str, security: ChannelSecurity, options: list[tuple[str, Any]] | None = None
 ):
-    """A gRPC channel to `address` with `security`: secure when `security.tls`, and with
-    the bearer token on every call when it has one."""
+    """A gRPC channel to `address` (any form `client.addressing` takes: one front-end, a
+    list, a gRPC target; round_robin over several) with `security`: secure when
+    `security.tls`, and with the bearer token on every call when it has one. ValueError
+    for an address it cannot parse, and for TLS to front-ends on several hosts without
+    `server_name` (which name would their certificates carry?)."""
     import grpc
 
-    options = list(options or ())
+    target = parse_address(address)
+    options = [*(options or ()), *target.channel_options]
     if security.tls:
-        if security.server_name:
-            options.append(("grpc.ssl_target_name_override", security.server_name))
+        server_name = tls_name(target, security.server_name)
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
         credentials = grpc.ssl_channel_credentials(
             root_certificates=security.root_certificates,
             private_key=security.private_key,
             certificate_chain=security.certificate_chain,
         )
-        channel = grpc.secure_channel(address, credentials, options=options)
+        channel = grpc.secure_channel(target.target, credentials, options=options)
     else:
-        if security.token and not _is_loopback(address):
+        if security.token and not _is_loopback(target):
             _log.warning(
                 "rlfeed: sending the token to %s over plaintext (set RLFEED_TLS_CA for TLS)",
                 address,
             )
-        channel = grpc.insecure_channel(address, options=options)
+        channel = grpc.insecure_channel(target.target, options=options)
     if security.token:
         channel = grpc.intercept_channel(channel, _bearer_interceptor(security.token))
     return channel

@@ -131,7 +131,9 @@ def _env_int(name: str, default: int) -> int:
 class BatchLoader:
     """Iterates steps `start_step, start_step + 1, ...` (up to `stop_step`, exclusive).
 
-    address_or_transport: "host:port" of a sidecar, or a `Transport`.
+    address_or_transport: "host:port" of a sidecar, several of its front-ends
+      ("ip:port,ip:port" or "dns:///name:port": calls spread over them and move off one
+      that goes away; `client/addressing.py`), or a `Transport`.
     rank, world_size: default to torchrun's RANK / WORLD_SIZE (0 / 1 when unset); checked
       against the sidecar's world size at the first fetch (`WorldSizeMismatchError`).
     prefetch: steps fetched ahead in the background (0 = fetch on demand, no thread).

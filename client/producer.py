@@ -81,7 +81,9 @@ DEFAULT_MAX_BATCH_BYTES = 8 << 20
 class RolloutWriter:
     """Buffered, backpressured rollout submission to one sidecar.
 
-    address_or_transport: "host:port" of a sidecar, or a `Transport` (e.g. in-process).
+    address_or_transport: "host:port" of a sidecar, several of its front-ends
+      ("ip:port,ip:port" or "dns:///name:port": calls spread over them and move off one
+      that goes away; `client/addressing.py`), or a `Transport` (e.g. in-process).
     max_batch_rollouts: rollouts per submitted Arrow batch.
     max_batch_bytes: also seal a batch once its token payload reaches this many bytes.
       The default, 8 MiB (114 rollouts of 8k tokens), sits where a sweep of the end-to-end

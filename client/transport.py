@@ -24,6 +24,12 @@ default backoff grows to 120 s, so a 20 s outage used to cost up to 17 s more), 
 retried call is idempotent: a rollout batch is re-sent with the same rollout ids (the
 sidecar answers `duplicate` for those it has), a fetch asks for the same (step, rank), an
 acknowledgement is cumulative.
+
+Several front-ends (an address list or a name resolving to all of them, `client/
+addressing.py`): any front-end takes any call, so when one goes away its calls fail
+UNAVAILABLE, are retried as above, and round_robin sends them to a front-end that is up;
+the reconnect settings apply to each front-end's connection, so one that comes back gets
+calls again within about a second.
 """
 
 from __future__ import annotations
@@ -186,7 +192,9 @@ class Transport(Protocol):
 
 
 class GrpcTransport:
-    """`Transport` over a gRPC channel to `address` ("host:port").
+    """`Transport` over a gRPC channel to `address`: "host:port", or several front-ends of
+    one sidecar ("ip:port,ip:port", "dns:///name:port": `client/addressing.py`), each
+    unary call then going to the next one that is up (round_robin).
 
     Message size limits are lifted on the client side (a step of long rollouts is tens of
     MiB); the server's own limit is its `[server] max_message_bytes`.

@@ -1,5 +1,6 @@
 """What the subcommands share: argparse `type=` converters, the usage error, the sidecar
-address (flag > $RLFEED_ADDRESS > 127.0.0.1:50051) and what to say when nothing answers
+address (flag > $RLFEED_ADDRESS > 127.0.0.1:50051; one front-end, a list of them or a gRPC
+target, as `client/addressing.py` reads it) and what to say when nothing answers
 there, and the strict JSON every `--json` prints. A bad value is a usage error (exit
 status 2) that says what was expected, never a traceback."""
 
@@ -14,7 +15,11 @@ import sys
 DEFAULT_ADDRESS = "127.0.0.1:50051"  # `rlfeed serve`'s default [server] host and port
 # The variable the README's producer and trainer read; the client commands read it too.
 ADDRESS_ENV = "RLFEED_ADDRESS"
-ADDRESS_HELP = f"sidecar HOST:PORT (default: ${ADDRESS_ENV} when set, else {DEFAULT_ADDRESS})"
+ADDRESS_HELP = (
+    f"sidecar HOST:PORT; several front-ends as IP:PORT,IP:PORT,... or one name for them "
+    f"all, dns:///NAME:PORT (calls spread round-robin); default: ${ADDRESS_ENV} when set, "
+    f"else {DEFAULT_ADDRESS}"
+)
 
 
 def env_address() -> str | None:
@@ -28,14 +33,16 @@ def default_address() -> str:
 
 
 def sidecar_address(text: str) -> str:
-    """HOST:PORT (or a gRPC target with a scheme, e.g. unix:/run/rlfeed.sock, passed as
-    is). Without a port gRPC would dial 443, so a missing port is refused here."""
-    if ":/" in text or text.startswith("unix:"):
-        return text
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 1-65535), got {text!r}")
-    return text
+    """HOST:PORT, a list of front-ends IP:PORT,IP:PORT,... or a gRPC target (dns:///NAME:PORT,
+    ipv4:..., unix:/run/rlfeed.sock): what `client.addressing.parse_address` takes, checked
+    here so a bad one is a usage error naming the bad entry. Without a port gRPC would
+    dial 443, so a missing port is refused."""
+    from rlfeed.client.addressing import parse_address  # the standard library only
+
+    try:
+        return parse_address(text).address
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def unreachable(address: str, details: str) -> str:

@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--address",
         type=sidecar_address,
         default=env_address(),
-        help=f"drive a running sidecar at HOST:PORT instead of starting one (default: "
-        f"${ADDRESS_ENV} when set and not empty, else start one)",
+        help=f"drive a running sidecar at HOST:PORT (several front-ends: IP:PORT,IP:PORT,... "
+        f"or dns:///NAME:PORT) instead of starting one (default: ${ADDRESS_ENV} when set "
+        f"and not empty, else start one)",
     )
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"steps to train (default {DEFAULT_STEPS})"

@@ -98,7 +98,11 @@ def test_a_token_over_plaintext_off_loopback_is_warned_about(caplog):
     security = ChannelSecurity.resolve(token=TOKEN, environ={})
     with caplog.at_level(logging.WARNING):
         open_channel("127.0.0.1:1", security).close()
+        open_channel("127.0.0.1:1,127.0.0.2:2", security).close()  # front-ends on this machine
         assert "plaintext" not in caplog.text
+        open_channel("127.0.0.1:1,192.0.2.1:1", security).close()  # one of them is not
+        assert "plaintext" in caplog.text
+        caplog.clear()
         open_channel("192.0.2.1:1", security).close()  # channels connect lazily
     assert "plaintext" in caplog.text and TOKEN not in caplog.text
 

@@ -57,7 +57,15 @@ def test_demo_starts_its_own_sidecar_unless_given_an_address(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "good", ["127.0.0.1:50051", "sidecar.internal:7000", "[::1]:50051", "unix:/run/x.sock"]
+    "good",
+    [
+        "127.0.0.1:50051",
+        "sidecar.internal:7000",
+        "[::1]:50051",
+        "unix:/run/x.sock",
+        "10.0.0.5:50051,10.0.0.6:50051",  # several front-ends
+        "dns:///rlfeed-frontends.ns.svc:50051",
+    ],
 )
 def test_addresses_with_a_port_or_a_scheme_are_taken_as_given(good):
     assert sidecar_address(good) == good
@@ -67,6 +75,20 @@ def test_addresses_with_a_port_or_a_scheme_are_taken_as_given(good):
 def test_addresses_without_a_usable_port_are_refused(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="must be HOST:PORT"):
         sidecar_address(bad)
+
+
+@pytest.mark.parametrize("command", ["status", "layout", "demo"])
+def test_client_commands_take_a_list_of_front_ends_from_the_flag_or_rlfeed_address(
+    monkeypatch, capsys, command
+):
+    extra = ["-o", "x.png"] if command == "layout" else []
+    front_ends = "10.0.0.5:50051,10.0.0.6:50051"
+    monkeypatch.setenv("RLFEED_ADDRESS", front_ends)
+    assert build_parser().parse_args([command, *extra]).address == front_ends
+    with pytest.raises(SystemExit) as usage:
+        build_parser().parse_args([command, *extra, "--address", "10.0.0.5:1,fe-2:1"])
+    assert usage.value.code == 2
+    assert "'fe-2:1' is a host name" in capsys.readouterr().err
 
 
 def test_strict_json_writes_non_finite_figures_as_null():

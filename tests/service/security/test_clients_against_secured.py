@@ -3,8 +3,15 @@ credentials from the environment only, as the README examples would run unchange
 
 from __future__ import annotations
 
+import time
+from concurrent import futures
+
+import grpc
 import pytest
 from rlfeed.client import AuthenticationError, BatchLoader, GrpcTransport, SidecarError
+from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.security.credentials import bind_port
 
 
 @pytest.fixture
@@ -74,3 +81,39 @@ def test_explicit_arguments_override_the_environment(secured, tokens, pki, mtls_
         transport.status()
     finally:
         transport.close()
+
+
+def test_front_ends_on_several_hosts_are_checked_against_the_one_server_name(
+    pki, serve_fake, fake_servicer, monkeypatch
+):
+    """An address list over TLS: gRPC would check the whole list as the name, so a list on
+    one host is checked against that host, and one on several hosts needs the name every
+    front-end's certificate carries (`tls_server_name`); a wrong one is refused."""
+    monkeypatch.delenv("RLFEED_TLS_SERVER_NAME", raising=False)
+    tls = SecurityConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key))
+    server, _, (first, second) = serve_fake([], tls, tls)
+    other_host = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # 127.0.0.2: loopback
+    pb_grpc.add_SidecarStatusServicer_to_server(fake_servicer, other_host)
+    third = f"127.0.0.2:{bind_port(other_host, '127.0.0.2:0', tls)}"
+    other_host.start()
+    ca = {"tls_ca": str(pki.ca), "token": ""}
+    try:
+        one_host = GrpcTransport(f"{first},{second}", **ca)  # SAN 127.0.0.1
+        for _ in range(4):
+            one_host.status()
+        one_host.close()
+        with pytest.raises(ValueError, match=r"set tls_server_name \(RLFEED_TLS_SERVER_NAME\)"):
+            GrpcTransport(f"{first},{third}", **ca)
+        named = GrpcTransport(f"{first},{third}", tls_server_name="localhost", **ca)
+        deadline = time.monotonic() + 10
+        while not fake_servicer.calls["GetStatus"]:  # both hosts passed the check
+            assert time.monotonic() < deadline, "127.0.0.2 was never called"
+            named.status()
+        named.close()
+        wrong = GrpcTransport(f"{first},{third}", tls_server_name="other.example", **ca)
+        with pytest.raises(SidecarError, match="UNAVAILABLE"):
+            wrong.status()
+        wrong.close()
+    finally:
+        server.stop(None)
+        other_host.stop(None)
