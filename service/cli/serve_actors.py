@@ -44,7 +44,7 @@ def serve_frontend_actors(
             )
         if hasattr(signal, "SIGHUP"):  # token rotation, as for in-process front-ends
             signal.signal(signal.SIGHUP, lambda signum, frame: actors.reload_tokens())
-        addresses = ",".join(actors.addresses)
+        addresses = ",".join(dict.fromkeys(actors.addresses))  # front-ends sharing a port: once
         count = len(actors.places)
         print(
             f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray actors)",

@@ -88,9 +88,7 @@ class FrontendActors:
         try:
             place = ray.get(ref)
         except ray.exceptions.ActorDiedError as exc:
-            without = (
-                "" if self.config.journal.dir else " (without [journal] dir what it held is lost)"
-            )
+            without = "" if self.config.journal.dir else " (no [journal] dir: what it held is lost)"
             raise FrontendLost(f"front-end {index} died for good{without}: {exc}") from None
         except ray.exceptions.RayError:  # unavailable: Ray is restarting it
             self._down_since.setdefault(index, time.monotonic())

@@ -1,15 +1,17 @@
 """512 concurrent producers against `rlfeed serve` with 1, 2 and 4 front-ends.
 
 Run:  .venv/bin/python tests/bench/bench_producers.py [--frontends 1,2,4] [--seconds 20]
-      [--producers 512] [--processes 4] [--serve-args "--ray-address auto"]
+      [--producers 512] [--processes 4] [--mode actors|replicas]
+      [--serve-args "--ray-address auto"]
 Cost: about 100 s on 2 cores (per front-end count: Ray and the sidecar start in ~5-15 s,
 a few seconds of warm-up, the 20 s window, the stop).
 
-Per front-end count, a fresh `rlfeed serve --replicas N` on a free loopback port (N
-front-end processes sharing the port with SO_REUSEPORT, one scheduler actor; `serve_args`
-is the one place that says how N front-ends are asked for). `--processes` producer
-processes run `--producers` producers in all (asyncio, one gRPC channel and connection
-each, so the kernel spreads them over the front-ends), each submitting whole groups (8
+Per front-end count, a fresh `rlfeed serve --frontends N` on a free loopback port (N
+front-end Ray actors on this one node sharing the port with SO_REUSEPORT, one scheduler
+actor; `--mode replicas`: `--replicas N`, processes forked by `rlfeed serve`).
+`--processes` producer processes run `--producers` producers in all (asyncio, one gRPC
+channel and connection each, so the kernel spreads them over the front-ends), each
+submitting whole groups (8
 rollouts of 64-256 tokens, 1/4 prompt; ~12 KB of Arrow IPC) with the unary
 `SubmitRolloutBatch`, one batch in flight, the next as soon as the ack comes. Each producer
 sends one batch untimed first (connections up, code warm); then every ack that comes back
@@ -74,16 +76,21 @@ START_TIMEOUT_S = 180.0  # Ray + sidecar start on a busy 2-core machine
 CALL_TIMEOUT_S = 30.0
 
 
-def serve_args(frontends: int) -> list[str]:
-    """The `rlfeed serve` flags that give `frontends` front-ends (today: processes sharing
-    the port; switch here to front-ends as Ray actors)."""
-    return ["--replicas", str(frontends)]
+def serve_args(frontends: int, mode: str) -> list[str]:
+    """The `rlfeed serve` flags that give `frontends` front-ends: Ray actors (`actors`,
+    all on this one node, sharing the port with SO_REUSEPORT) or processes forked by
+    `rlfeed serve` (`replicas`, the same sharing)."""
+    return ["--frontends" if mode == "actors" else "--replicas", str(frontends)]
 
 
 def config_text() -> str:
-    """A config whose buffer holds every rollout a window takes and never assembles a step."""
+    """A config whose buffer holds every rollout a window takes and never assembles a step.
+    Front-end actors reserve no CPU: the embedded Ray has as many CPUs as cores, and four
+    front-ends must fit on this one node."""
     rollouts = 250_000 * GROUP_SIZE  # 2M: more than any window here takes
     return f"""
+[frontends]
+num_cpus = 0
 [server]
 max_workers = 800
 max_unary_calls = 640
@@ -108,10 +115,10 @@ class Sidecar:
     """`rlfeed serve` as a subprocess; its output is drained by a thread (and kept for an
     error message), so a full pipe never blocks it."""
 
-    def __init__(self, frontends: int, config: Path, extra: list[str]) -> None:
+    def __init__(self, frontends: int, mode: str, config: Path, extra: list[str]) -> None:
         self.port = free_port()
         command = [sys.executable, "-m", "rlfeed", "serve", "--port", str(self.port)]
-        command += ["--config", str(config), *serve_args(frontends), *extra]
+        command += ["--config", str(config), *serve_args(frontends, mode), *extra]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -291,7 +298,7 @@ class CaseResult:
 
 def run_case(frontends: int, args: argparse.Namespace, config: Path) -> CaseResult:
     print(f"\n{frontends} front-end(s): {args.producers} producers in {args.processes} processes")
-    sidecar = Sidecar(frontends, config, shlex.split(args.serve_args))
+    sidecar = Sidecar(frontends, args.mode, config, shlex.split(args.serve_args))
     context = mp.get_context("spawn")
     ready, results, go = context.Queue(), context.Queue(), context.Event()
     shares = np.array_split(np.arange(args.producers), args.processes)
@@ -354,6 +361,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="window per case (20)")
     parser.add_argument("--producers", type=int, default=512, help="producers in all (512)")
     parser.add_argument("--processes", type=int, default=4, help="producer processes (4)")
+    parser.add_argument(
+        "--mode",
+        choices=("actors", "replicas"),
+        default="actors",
+        help="front-ends as Ray actors (--frontends N, default) or forked processes",
+    )
     parser.add_argument(
         "--serve-args", default="", help="extra `rlfeed serve` arguments, one shell string"
     )
