@@ -14,7 +14,9 @@ actor's answer, a peer's) in the loop's executor, the server's thread pool.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections import OrderedDict
 
 import grpc
 import ray
@@ -40,6 +42,46 @@ from rlfeed.service.scheduler.records import (
 # A waiting GetBatch re-asks the actor this often even without a local "step stored"
 # signal (a step this front-end did not store; with replicas, another front-end's).
 POLL_SECONDS = 0.25
+
+
+# Steps whose re-asks `ReAsks` remembers (the newest ones; a step is waited for briefly).
+_REMEMBERED_STEPS = 1024
+
+
+class ReAsks:
+    """Who re-asks the actor about a step once waits time out: one waiting call per step
+    per POLL_SECONDS, not each of them (256 ranks waiting would ask ~1000 times a second,
+    each taking a pool thread for a round trip). The actor's answer to one rank about a
+    step not stored is every rank's; once a re-ask got anything else (the bytes, or an
+    answer that ends the call, e.g. released), every waiting call of that step asks for
+    itself, woken at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: OrderedDict[int, float] = OrderedDict()  # step -> when last re-asked
+        self._answered: OrderedDict[int, None] = OrderedDict()  # steps every call asks
+
+    def claim(self, step: int) -> bool:
+        """Whether this call re-asks about `step` now (and others hold off)."""
+        now = time.monotonic()
+        with self._lock:
+            if step in self._answered:
+                return True
+            last = self._asked.get(step)
+            if last is not None and now - last < POLL_SECONDS:
+                return False
+            self._asked[step] = now
+            self._asked.move_to_end(step)
+            while len(self._asked) > _REMEMBERED_STEPS:
+                self._asked.popitem(last=False)
+            return True
+
+    def answered(self, step: int) -> None:
+        """A re-ask about `step` was answered: from now on every call asks for itself."""
+        with self._lock:
+            self._answered[step] = None
+            while len(self._answered) > _REMEMBERED_STEPS:
+                self._answered.popitem(last=False)
 
 
 class CallEnds(Exception):
@@ -72,12 +114,14 @@ class _Poll:
         self.local = 0 <= self.rank < frontend.config.batching.world_size
         self.timed_out = False
 
-    def asks_actor(self, signals) -> bool:
+    def asks_actor(self, signals, re_asks: ReAsks) -> bool:
         """A step past the newest one stored here is most likely still being produced:
         wait for this front-end's signal first and ask the actor only once a wait times
         out (another front-end may have stored it; answers stay correct, the actor is just
-        not asked a round trip per prefetching rank and step)."""
-        return not (self.local and self.step > signals.newest_stored_here and not self.timed_out)
+        not asked a round trip per prefetching rank and step), and then as `ReAsks` says."""
+        if self.local and self.step > signals.newest_stored_here and not self.timed_out:
+            return False
+        return not self.timed_out or re_asks.claim(self.step)
 
     def not_ready(self) -> pb.GetBatchResponse:
         return pb.GetBatchResponse(ready=False, step=self.step, rank=self.rank)
@@ -88,6 +132,7 @@ class BatchServing:
 
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
+        self.re_asks = ReAsks()
 
     @unavailable_when_ray_fails
     @admitted
@@ -105,8 +150,8 @@ class BatchServing:
             response = self._local_answer(request, context) if poll.local else None
             if response is not None:
                 return response
-            if poll.asks_actor(signals):
-                response = self._actor_answer(poll.step, poll.rank, context)
+            if poll.asks_actor(signals, self.re_asks):
+                response = self._asked_actor(poll, context)
                 if response is not None:
                     return response
             remaining = poll.deadline - time.monotonic()
@@ -151,10 +196,8 @@ class BatchServing:
                     )
                     if response is not None:
                         return response
-            if poll.asks_actor(signals):
-                response = await loop.run_in_executor(
-                    None, self._actor_answer, poll.step, poll.rank, context
-                )
+            if poll.asks_actor(signals, self.re_asks):
+                response = await loop.run_in_executor(None, self._asked_actor, poll, context)
                 if response is not None:
                     return response
             remaining = poll.deadline - time.monotonic()
@@ -163,6 +206,23 @@ class BatchServing:
             poll.timed_out = not await signals.wait_async(
                 version, timeout=min(remaining, POLL_SECONDS)
             )
+
+    def _asked_actor(self, poll: _Poll, context) -> bytes | None:
+        """`_actor_answer`; a re-ask that got an answer other than "not stored yet" makes
+        every call waiting for the step ask (`ReAsks`), woken now."""
+        try:
+            response = self._actor_answer(poll.step, poll.rank, context)
+        except CallEnds:
+            if poll.timed_out:
+                self._re_asked(poll.step)
+            raise
+        if response is not None and poll.timed_out:
+            self._re_asked(poll.step)
+        return response
+
+    def _re_asked(self, step: int) -> None:
+        self.re_asks.answered(step)
+        self.frontend.signals.nudge()
 
     def _first_fetch(self, step: int, rank: int) -> bytes | None:
         """A first fetch of a step stored here (memory and a queued note: never blocks)."""

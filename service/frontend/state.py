@@ -75,6 +75,12 @@ class StepSignals:
             self.version += 1
             self._changed_now()
 
+    def nudge(self) -> None:
+        """Wake every waiting call to look again (nothing was stored here)."""
+        with self._changed:
+            self.version += 1
+            self._changed_now()
+
     def holder(self, step: int) -> str | None:
         """The other front-end that announced `step`, if any (and not forgotten)."""
         with self._changed:
