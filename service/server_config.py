@@ -5,9 +5,11 @@ clients from starving the rest (`frontend/call_guard.py` enforces them):
 
 - **Calls in flight**, by kind: open `SubmitRollouts` streams, `GetBatch` long polls and
   the other unary calls, each capped in all (`max_streams`, `max_long_polls`,
-  `max_unary_calls`) and per client address (`max_calls_per_client`). Each admitted call
-  holds one of `max_workers` handler threads; the caps leave threads over for `GetStatus`
-  (slots of its own) and the health service (never limited), so neither ever starves.
+  `max_unary_calls`) and per client address (`max_calls_per_client`). An admitted stream
+  or unary call holds one of `max_workers` handler threads; the caps leave threads over
+  for `GetStatus` (slots of its own) and the health service (never limited), so neither
+  ever starves. A waiting GetBatch holds no thread (it waits on the asyncio server's event
+  loop, `frontend/aio_host.py`), only memory, so its cap is sized by memory.
   A call over a cap answers RESOURCE_EXHAUSTED at once, naming the cap.
 - **Time**: a call waiting longer than `request_idle_timeout_s` for its next request
   message is cancelled; idle connections are closed, dead peers found by keepalive.
@@ -58,10 +60,11 @@ class ServerConfig:
     )
     max_workers: int = _f(
         128,
-        "gRPC handler threads; every admitted call holds one while it runs (an open "
-        "SubmitRollouts stream or a waiting GetBatch for its whole life). Must leave "
-        f"{RESERVED_WORKERS} over the sum of max_streams, max_long_polls and max_unary_calls "
-        "(GetStatus and health)",
+        "gRPC handler threads (the public server's pool): every admitted stream or unary "
+        "call holds one while it runs (an open SubmitRollouts stream for its whole life); a "
+        "GetBatch only while it asks the scheduler actor or a peer, not while it waits. "
+        f"Must leave {RESERVED_WORKERS} over max_streams + max_unary_calls (GetStatus and "
+        "health)",
     )
     max_streams: int = _f(
         16,
@@ -69,10 +72,11 @@ class ServerConfig:
         "RESOURCE_EXHAUSTED (RolloutWriter sends unary calls and opens none)",
     )
     max_long_polls: int = _f(
-        64,
+        4096,
         "GetBatch calls in flight at once, all clients (a BatchLoader rank has one); one "
-        "more answers RESOURCE_EXHAUSTED, which BatchLoader retries. Raise it, with "
-        "max_workers, beyond 64 ranks",
+        "more answers RESOURCE_EXHAUSTED, which BatchLoader retries. A waiting call holds "
+        "no thread, only memory: about 26 KiB each (tests/bench/bench_long_poll.py, 256 and "
+        "1024 calls), so 4096 waiting hold ~110 MiB",
     )
     max_unary_calls: int = _f(
         32,
@@ -88,10 +92,11 @@ class ServerConfig:
         "of a host behind one address (or a NAT) shares it; 0 = no per-client limit",
     )
     max_pending_calls: int = _f(
-        1024,
-        "calls running or queued for a thread at once, all kinds (gRPC's "
+        8192,
+        "calls in flight at once, all kinds, waiting long polls included (gRPC's "
         "maximum_concurrent_rpcs): beyond it any call, health included, answers "
-        "RESOURCE_EXHAUSTED before a thread or memory is spent on it",
+        "RESOURCE_EXHAUSTED before a thread or memory is spent on it. Must be >= the sum "
+        f"of the caps + {RESERVED_WORKERS}",
     )
     max_wait_seconds: float = _f(
         60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
@@ -185,18 +190,20 @@ class ServerConfig:
         _require(self.max_id_bytes >= 16, "max_id_bytes", "must be >= 16")
         _require(self.max_tasks >= 1, "max_tasks", "must be >= 1")
         _require(self.max_calls_per_client >= 0, "max_calls_per_client", "must be >= 0")
-        capped = self.max_streams + self.max_long_polls + self.max_unary_calls
+        threaded = self.max_streams + self.max_unary_calls
         _require(
-            self.max_workers >= capped + RESERVED_WORKERS,
+            self.max_workers >= threaded + RESERVED_WORKERS,
             "max_workers",
-            f"must be >= max_streams + max_long_polls + max_unary_calls + {RESERVED_WORKERS} "
-            f"= {capped + RESERVED_WORKERS} (threads for GetStatus and health), got "
+            f"must be >= max_streams + max_unary_calls + {RESERVED_WORKERS} "
+            f"= {threaded + RESERVED_WORKERS} (threads for GetStatus and health), got "
             f"{self.max_workers}",
         )
+        in_flight = threaded + self.max_long_polls + RESERVED_WORKERS
         _require(
-            self.max_pending_calls >= self.max_workers,
+            self.max_pending_calls >= max(in_flight, self.max_workers),
             "max_pending_calls",
-            f"must be >= max_workers ({self.max_workers})",
+            f"must be >= max_streams + max_long_polls + max_unary_calls + {RESERVED_WORKERS} "
+            f"= {in_flight} and >= max_workers ({self.max_workers})",
         )
         for name in (
             "request_idle_timeout_s",

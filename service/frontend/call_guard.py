@@ -19,11 +19,18 @@ request is read:
 Unary-request methods are served as stream-request ones (one message read by the
 wrapper): gRPC reads a unary request before its handler runs, which would put the read
 outside the slot and the timer. The wire is the same either way.
+
+`CallGuard` is the threaded server's interceptor and holds the decisions and counts;
+`AioCallGuard` applies the same ones on the public asyncio server: a synchronous handler
+(run in the server's thread pool) gets the very wrapper above, a coroutine handler
+(GetBatch) one that takes its slot, reads and times its request on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -162,7 +169,21 @@ class IdleWatch:
             for context in contexts:
                 self.cancelled += 1
                 _log.debug("rlfeed: cancelled a call idle for %.0f s", self.timeout_s)
-                context.cancel()  # the handler's read ends; its slot and thread are freed
+                self._cancel(context)  # the handler's read ends; its slot and thread are freed
+
+    def _cancel(self, context: grpc.ServicerContext) -> None:
+        cancel = getattr(context, "cancel", None)
+        if cancel is not None:  # a threaded server's call
+            cancel()
+            return
+        # An asyncio server's call run in its thread pool has no cancel(): an abort from
+        # here ends it alike (the blocked read raises in the handler's thread).
+        with contextlib.suppress(Exception):  # raised here by design, or the call just ended
+            context.abort(grpc.StatusCode.CANCELLED, self.message)
+
+    @property
+    def message(self) -> str:
+        return f"no request message for {self.timeout_s:g} s ([server] request_idle_timeout_s)"
 
 
 @dataclass(frozen=True)
@@ -237,13 +258,20 @@ class CallGuard(grpc.ServerInterceptor):
     def stop(self) -> None:
         self.idle.stop()
 
+    @staticmethod
+    def kind_of(method: str, handler: grpc.RpcMethodHandler | None) -> CallKind | None:
+        """The kind of slot a call of `method` takes; None: not guarded (no such method,
+        or the health service)."""
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return None
+        default = CallKind.STREAM if handler.request_streaming else CallKind.UNARY
+        return _KIND_OF_METHOD.get(method, default)
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
-        default = CallKind.STREAM if handler.request_streaming else CallKind.UNARY
-        return self._guarded(handler, method, _KIND_OF_METHOD.get(method, default))
+        kind = self.kind_of(method, handler)
+        return handler if kind is None else self._guarded(handler, method, kind)
 
     def _guarded(
         self, handler: grpc.RpcMethodHandler, method: str, kind: CallKind
@@ -291,3 +319,75 @@ class CallGuard(grpc.ServerInterceptor):
             yield _GuardedCall(self.idle, context, method)
         finally:
             self.limits.release(kind, client)
+
+
+class AioCallGuard(grpc.aio.ServerInterceptor):
+    """`CallGuard`'s limits on an asyncio server (module docstring): the same slots,
+    counts and idle timeout, shared with `guard`."""
+
+    def __init__(self, guard: CallGuard) -> None:
+        self.guard = guard
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        kind = self.guard.kind_of(method, handler)
+        if kind is None:
+            return handler
+        if not _is_coroutine_handler(handler):
+            return self.guard._guarded(handler, method, kind)  # runs in the thread pool
+        if handler.request_streaming or handler.response_streaming:
+            raise TypeError(f"{method}: a guarded coroutine handler must be unary-unary")
+        return self._guarded_coroutine(handler, method, kind)
+
+    def _guarded_coroutine(
+        self, handler: grpc.RpcMethodHandler, method: str, kind: CallKind
+    ) -> grpc.RpcMethodHandler:
+        limits, idle, inner = self.guard.limits, self.guard.idle, handler.unary_unary
+
+        async def behavior(request_iterator, context):
+            client = client_address(context.peer())
+            refusal = limits.acquire(kind, client)
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+            try:
+                request = await _only_request(idle, request_iterator, context, method)
+                return await inner(request, context)
+            finally:
+                limits.release(kind, client)
+
+        return grpc.stream_unary_rpc_method_handler(
+            behavior,
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _is_coroutine_handler(handler: grpc.RpcMethodHandler) -> bool:
+    behaviors = (handler.unary_unary, handler.unary_stream, handler.stream_unary)
+    return any(
+        inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+        for behavior in (*behaviors, handler.stream_stream)
+        if behavior is not None
+    )
+
+
+async def _only_request(idle: IdleWatch, request_iterator, context, method: str) -> Any:
+    """`_GuardedCall.only_request` on the event loop, timed by `asyncio.wait_for`."""
+    try:
+        request = await asyncio.wait_for(
+            request_iterator.__anext__(), idle.timeout_s if idle.timeout_s > 0 else None
+        )
+    except StopAsyncIteration:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes one request message and none arrived"
+        )
+    except TimeoutError:
+        idle.cancelled += 1
+        await context.abort(grpc.StatusCode.CANCELLED, idle.message)
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method}: the request is not a valid message of this method ({request.reason})",
+        )
+    return request

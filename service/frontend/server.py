@@ -2,9 +2,11 @@
 
 `start_server(config)` brings up (or joins) Ray and the scheduler actor, the front-end's
 parts (`FrontendState`, `StepAssembler`, `RolloutIngest`, `BatchServing`, `PeerQueries`)
-and a threaded `grpc.server` with the four rlfeed.v1 services, health and (if allowed)
-reflection, behind `[security]` (TLS, mTLS, role tokens: `service/security/README.md`)
-and the `[server]` limits on what a call may hold (`call_guard.CallGuard`).
+and the public port's asyncio gRPC server (`aio_host.AioServerThread`: a waiting GetBatch
+holds no thread; the other handlers run in its thread pool) with the four rlfeed.v1
+services, health and (if allowed) reflection, behind `[security]` (TLS, mTLS, role tokens:
+`service/security/README.md`) and the `[server]` limits on what a call may hold
+(`call_guard`). The peer port (other front-ends only) stays a threaded `grpc.server`.
 `SidecarServer.stop()` is the one teardown. How the parts cooperate: `README.md` here.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import signal
 import socket
@@ -27,8 +30,9 @@ from rlfeed.client.allocator import retain_freed_memory
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.frontend.aio_host import AioServerThread
 from rlfeed.service.frontend.assembler import StepAssembler
-from rlfeed.service.frontend.call_guard import CallGuard
+from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
 from rlfeed.service.frontend.codec import parse_rollout_batch
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.ingest import RolloutIngest
@@ -44,6 +48,7 @@ from rlfeed.service.security.server_security import ServerSecurity
 
 _log = logging.getLogger("rlfeed.service.frontend.server")
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
+_server_numbers = itertools.count()  # names each public server's threads apart
 
 
 def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
@@ -70,13 +75,14 @@ def _rollout_ingest_handler(ingest: RolloutIngest) -> grpc.GenericRpcHandler:
     )
 
 
-def _batch_serving_handler(serving: BatchServing) -> grpc.GenericRpcHandler:
-    """BatchServing registered by hand: GetBatch returns stored bytes as they are."""
+def _batch_serving_handler(serving: BatchServing, *, waits_on_loop: bool) -> grpc.GenericRpcHandler:
+    """BatchServing registered by hand: GetBatch returns stored bytes as they are. With
+    `waits_on_loop` (the asyncio server), GetBatch is the coroutine form."""
     return grpc.method_handlers_generic_handler(
         "rlfeed.v1.BatchServing",
         {
             "GetBatch": grpc.unary_unary_rpc_method_handler(
-                serving.GetBatch,
+                serving.GetBatchAsync if waits_on_loop else serving.GetBatch,
                 request_deserializer=pb.GetBatchRequest.FromString,
                 response_serializer=_pass_through,
             ),
@@ -114,7 +120,7 @@ class SidecarServer:
 
     config: SidecarConfig
     port: int
-    server: grpc.Server
+    server: AioServerThread
     frontend: FrontendState
     assembler: StepAssembler
     peer_queries: PeerQueries
@@ -269,19 +275,14 @@ def _peer_host(host: str) -> str:
 
 
 def _grpc_server(
-    config: SidecarConfig,
-    name: str,
-    interceptors: list[grpc.ServerInterceptor],
-    *options: tuple[str, int],
-    maximum_concurrent_rpcs: int | None = None,
+    config: SidecarConfig, name: str, interceptors: list[grpc.ServerInterceptor]
 ) -> grpc.Server:
     """A threaded gRPC server with the `[server]` channel arguments (message size limit
     both ways, keepalive, idle and aged connections, handshake timeout)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix=name),
         interceptors=interceptors,
-        options=[*config.server.grpc_options(), *options],
-        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        options=config.server.grpc_options(),
     )
 
 
@@ -298,7 +299,7 @@ def _start_peer_server(
     peer_server.add_generic_rpc_handlers(
         (
             peer_handler(queries.columns_of, queries.response_of, queries.stored_by),
-            _batch_serving_handler(serving),
+            _batch_serving_handler(serving, waits_on_loop=False),
         )
     )
     host = _peer_host(config.server.host)
@@ -376,18 +377,19 @@ def start_server(
         peer_server, peer_address = _start_peer_server(
             config, queries, serving, frontend.peer_token
         )
-        # A busy port is an error, not a shared socket, unless replicas share it.
-        server = _grpc_server(
-            config,
-            "rlfeed-grpc",
-            [*security.interceptors, guard],  # who may call first, then what a call may cost
-            ("grpc.so_reuseport", int(replicated)),
+        server = AioServerThread(
+            name=f"rlfeed-grpc-{next(_server_numbers)}",
+            max_workers=config.server.max_workers,
+            # Who may call first, then what a call may cost.
+            interceptors=[*security.aio_interceptors, AioCallGuard(guard)],
+            # A busy port is an error, not a shared socket, unless replicas share it.
+            options=[*config.server.grpc_options(), ("grpc.so_reuseport", int(replicated))],
             maximum_concurrent_rpcs=config.server.max_pending_calls,
         )
         pb_grpc.add_TaskSamplingServicer_to_server(ingest, server)
         pb_grpc.add_SidecarStatusServicer_to_server(serving, server)
         server.add_generic_rpc_handlers(
-            (_rollout_ingest_handler(ingest), _batch_serving_handler(serving))
+            (_rollout_ingest_handler(ingest), _batch_serving_handler(serving, waits_on_loop=True))
         )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -419,7 +421,7 @@ def start_server(
     except BaseException:
         guard.stop()
         if server is not None:
-            server.stop(0)
+            server.stop(0).wait(10)
         if peer_server is not None:
             peer_server.stop(0)
         if actor is not None and not join:

@@ -3,18 +3,32 @@
 GetBatch waits up to min(timeout_ms, max_wait_seconds, the call's deadline) for the step
 and, if it is still not stored, answers OK with `ready = false` (poll again). Stored bytes
 are answered as they are (a pass-through serializer), so a re-fetch is byte-identical.
+
+GetBatch comes in two forms with one logic: `GetBatch`, a thread's handler (the threaded
+peer server, where another front-end forwards a fetch), and `GetBatchAsync`, the public
+asyncio server's: it waits on the event loop (`StepSignals.wait_async`), holding no thread,
+answers a first fetch of a step stored here on the loop, and runs only what blocks (the
+actor's answer, a peer's) in the loop's executor, the server's thread pool.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections import OrderedDict
 
 import grpc
 import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.frontend.codec import status_to_proto
 from rlfeed.service.frontend.requests import trainer_report_of
-from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
+from rlfeed.service.frontend.state import (
+    AdmissionGate,
+    FrontendState,
+    admitted,
+    unavailable_when_ray_fails,
+)
 from rlfeed.service.scheduler.records import (
     Fetch,
     FetchKind,
@@ -30,48 +44,188 @@ from rlfeed.service.scheduler.records import (
 POLL_SECONDS = 0.25
 
 
+# Steps whose re-asks `ReAsks` remembers (the newest ones; a step is waited for briefly).
+_REMEMBERED_STEPS = 1024
+
+
+class ReAsks:
+    """Who re-asks the actor about a step once waits time out: one waiting call per step
+    per POLL_SECONDS, not each of them (256 ranks waiting would ask ~1000 times a second,
+    each taking a pool thread for a round trip). The actor's answer to one rank about a
+    step not stored is every rank's; once a re-ask got anything else (the bytes, or an
+    answer that ends the call, e.g. released), every waiting call of that step asks for
+    itself, woken at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: OrderedDict[int, float] = OrderedDict()  # step -> when last re-asked
+        self._answered: OrderedDict[int, None] = OrderedDict()  # steps every call asks
+
+    def claim(self, step: int) -> bool:
+        """Whether this call re-asks about `step` now (and others hold off)."""
+        now = time.monotonic()
+        with self._lock:
+            if step in self._answered:
+                return True
+            last = self._asked.get(step)
+            if last is not None and now - last < POLL_SECONDS:
+                return False
+            self._asked[step] = now
+            self._asked.move_to_end(step)
+            while len(self._asked) > _REMEMBERED_STEPS:
+                self._asked.popitem(last=False)
+            return True
+
+    def answered(self, step: int) -> None:
+        """A re-ask about `step` was answered: from now on every call asks for itself."""
+        with self._lock:
+            self._answered[step] = None
+            while len(self._answered) > _REMEMBERED_STEPS:
+                self._answered.popitem(last=False)
+
+
+class CallEnds(Exception):
+    """The call's answer is this status: raised where GetBatch's logic decides it, turned
+    into `context.abort` by the handler of either form (a coroutine's abort is awaited)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _ray_failed(exc: ray.exceptions.RayError) -> CallEnds:
+    """As `unavailable_when_ray_fails` answers it."""
+    return CallEnds(
+        grpc.StatusCode.UNAVAILABLE,
+        f"scheduler unavailable: {type(exc).__name__}: {str(exc)[:500]}",
+    )
+
+
+class _Poll:
+    """One GetBatch's bounds: how long it may wait and whether the rank is served here."""
+
+    def __init__(self, frontend: FrontendState, request: pb.GetBatchRequest, context) -> None:
+        self.step, self.rank = int(request.step), int(request.rank)
+        wait = min(request.timeout_ms / 1000.0, frontend.config.server.max_wait_seconds)
+        remaining_call = context.time_remaining()
+        if remaining_call is not None:
+            wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
+        self.deadline = time.monotonic() + wait
+        self.local = 0 <= self.rank < frontend.config.batching.world_size
+        self.timed_out = False
+
+    def asks_actor(self, signals, re_asks: ReAsks) -> bool:
+        """A step past the newest one stored here is most likely still being produced:
+        wait for this front-end's signal first and ask the actor only once a wait times
+        out (another front-end may have stored it; answers stay correct, the actor is just
+        not asked a round trip per prefetching rank and step), and then as `ReAsks` says."""
+        if self.local and self.step > signals.newest_stored_here and not self.timed_out:
+            return False
+        return not self.timed_out or re_asks.claim(self.step)
+
+    def not_ready(self) -> pb.GetBatchResponse:
+        return pb.GetBatchResponse(ready=False, step=self.step, rank=self.rank)
+
+
 class BatchServing:
     """BatchServing (GetBatch, AckSteps, ReportTrainerMetrics) and SidecarStatus handlers."""
 
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
+        self.re_asks = ReAsks()
 
     @unavailable_when_ray_fails
     @admitted
     def GetBatch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
-        step, rank = int(request.step), int(request.rank)
-        frontend, signals = self.frontend, self.frontend.signals
-        wait = min(request.timeout_ms / 1000.0, frontend.config.server.max_wait_seconds)
-        remaining_call = context.time_remaining()
-        if remaining_call is not None:
-            wait = min(wait, max(remaining_call - 0.05, 0.0))  # answer before the deadline
-        deadline = time.monotonic() + wait
-        local = 0 <= rank < frontend.config.batching.world_size
-        timed_out = False
+        try:
+            return self._get_batch(request, context)
+        except CallEnds as end:
+            context.abort(end.code, end.details)
+
+    def _get_batch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
+        signals, poll = self.frontend.signals, _Poll(self.frontend, request, context)
         while True:
             # Read before asking, so a step stored in between still wakes the wait below.
             version = signals.version
-            response = self._local_answer(request, context) if local else None
+            response = self._local_answer(request, context) if poll.local else None
             if response is not None:
                 return response
-            # A step past the newest one stored here is most likely still being produced:
-            # wait for this front-end's signal first and ask the actor only once a wait
-            # times out (another front-end may have stored it; answers stay correct, the
-            # actor is just not asked a round trip per prefetching rank and step).
-            ahead = local and step > signals.newest_stored_here and not timed_out
-            if not ahead:
-                response = self._actor_answer(step, rank, context)
+            if poll.asks_actor(signals, self.re_asks):
+                response = self._asked_actor(poll, context)
                 if response is not None:
                     return response
-            remaining = deadline - time.monotonic()
+            remaining = poll.deadline - time.monotonic()
             if remaining <= 0 or signals.stopping:
-                return pb.GetBatchResponse(ready=False, step=step, rank=rank)
-            timed_out = not signals.wait(version, timeout=min(remaining, POLL_SECONDS))
+                return poll.not_ready()
+            poll.timed_out = not signals.wait(version, timeout=min(remaining, POLL_SECONDS))
 
-    def _local_answer(self, request: pb.GetBatchRequest, context) -> bytes | None:
-        """A first fetch of a step stored here, or a fetch forwarded to the front-end that
-        announced the step; None if neither answers."""
-        step, rank = int(request.step), int(request.rank)
+    async def GetBatchAsync(
+        self, request: pb.GetBatchRequest, context
+    ) -> bytes | pb.GetBatchResponse:
+        """GetBatch on an asyncio server (module docstring): same answers, no thread held
+        while waiting."""
+        gate = self.frontend.gate
+        if not gate.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, AdmissionGate.REFUSAL)
+        try:
+            try:
+                return await self._get_batch_async(request, context)
+            except ray.exceptions.RayError as exc:
+                end = _ray_failed(exc)
+            except CallEnds as raised:
+                end = raised
+        finally:
+            gate.leave()
+        await context.abort(end.code, end.details)
+
+    async def _get_batch_async(
+        self, request: pb.GetBatchRequest, context
+    ) -> bytes | pb.GetBatchResponse:
+        loop = asyncio.get_running_loop()
+        signals, poll = self.frontend.signals, _Poll(self.frontend, request, context)
+        while True:
+            version = signals.version
+            if poll.local:
+                response = self._first_fetch(poll.step, poll.rank)  # memory only: on the loop
+                if response is not None:
+                    return response
+                holder = signals.holder(poll.step)
+                if holder is not None:
+                    response = await loop.run_in_executor(
+                        None, self._forwarded, holder, request, context
+                    )
+                    if response is not None:
+                        return response
+            if poll.asks_actor(signals, self.re_asks):
+                response = await loop.run_in_executor(None, self._asked_actor, poll, context)
+                if response is not None:
+                    return response
+            remaining = poll.deadline - time.monotonic()
+            if remaining <= 0 or signals.stopping:
+                return poll.not_ready()
+            poll.timed_out = not await signals.wait_async(
+                version, timeout=min(remaining, POLL_SECONDS)
+            )
+
+    def _asked_actor(self, poll: _Poll, context) -> bytes | None:
+        """`_actor_answer`; a re-ask that got an answer other than "not stored yet" makes
+        every call waiting for the step ask (`ReAsks`), woken now."""
+        try:
+            response = self._actor_answer(poll.step, poll.rank, context)
+        except CallEnds:
+            if poll.timed_out:
+                self._re_asked(poll.step)
+            raise
+        if response is not None and poll.timed_out:
+            self._re_asked(poll.step)
+        return response
+
+    def _re_asked(self, step: int) -> None:
+        self.re_asks.answered(step)
+        self.frontend.signals.nudge()
+
+    def _first_fetch(self, step: int, rank: int) -> bytes | None:
+        """A first fetch of a step stored here (memory and a queued note: never blocks)."""
         response = self.frontend.responses.first_fetch(step, rank)
         if response is not None:
             # A first fetch cannot meet a released step (release needs every rank's fetch),
@@ -79,6 +233,14 @@ class BatchServing:
             # store. Re-fetches ask the actor (it may have released the step).
             self.frontend.scheduler.note(FetchNote(step, rank))
             self.frontend.events.on_served(step, rank, response)
+        return response
+
+    def _local_answer(self, request: pb.GetBatchRequest, context) -> bytes | None:
+        """A first fetch of a step stored here, or a fetch forwarded to the front-end that
+        announced the step; None if neither answers."""
+        step, rank = int(request.step), int(request.rank)
+        response = self._first_fetch(step, rank)
+        if response is not None:
             return response
         holder = self.frontend.signals.holder(step)
         if holder is not None:  # another front-end stored it: it answers (and counts it)
@@ -86,8 +248,8 @@ class BatchServing:
         return None
 
     def _actor_answer(self, step: int, rank: int, context) -> bytes | None:
-        """The actor's answer: the bytes behind its handle, an abort (invalid, released,
-        holder unreachable), or None (not stored yet: wait)."""
+        """The actor's answer: the bytes behind its handle, `CallEnds` (invalid, released,
+        holder unreachable), or None (not stored yet: wait). Blocks on the actor."""
         fetch = self.frontend.scheduler.fetch_batch(step, rank)
         if fetch.kind is FetchKind.READY:
             response = self._stored_response(step, rank, fetch, context)
@@ -96,7 +258,7 @@ class BatchServing:
                 if fetch.kind is FetchKind.READY:
                     response = self._stored_response(step, rank, fetch, context)
                     if response is None:
-                        context.abort(
+                        raise CallEnds(
                             grpc.StatusCode.UNAVAILABLE,
                             f"step {step} left the memory of the front-end holding it twice "
                             "while being fetched; ask again",
@@ -104,9 +266,9 @@ class BatchServing:
             if response is not None:
                 return response
         if fetch.kind is FetchKind.INVALID:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, fetch.value)
+            raise CallEnds(grpc.StatusCode.INVALID_ARGUMENT, fetch.value)
         if fetch.kind is FetchKind.RELEASED:
-            context.abort(
+            raise CallEnds(
                 grpc.StatusCode.NOT_FOUND,
                 f"step {step} was released (every rank acknowledged it and retained_steps "
                 f"newer steps followed); the next step to be assembled is {fetch.value}",
@@ -122,7 +284,7 @@ class BatchServing:
             return self.frontend.peers.forward_get_batch(holder, request, context.time_remaining())
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                context.abort(exc.code(), exc.details())
+                raise CallEnds(exc.code(), exc.details()) from None
         except RuntimeError:  # not registered (any more)
             pass
         self.frontend.signals.forget_holder(int(request.step))
@@ -149,7 +311,7 @@ class BatchServing:
             frontend.events.on_served(step, rank, response)
             return response
         if isinstance(handle, JournalRef):  # its front-end died; the next one loads it
-            context.abort(
+            raise CallEnds(
                 grpc.StatusCode.UNAVAILABLE,
                 f"step {step} is in the journal of {handle.slot}, whose front-end restarts; "
                 "ask again",
@@ -161,11 +323,11 @@ class BatchServing:
                 )
             except (grpc.RpcError, RuntimeError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                context.abort(
+                raise CallEnds(
                     grpc.StatusCode.UNAVAILABLE,
                     f"step {step} is held by front-end {handle.frontend_id}, which cannot be "
                     f"reached: {detail}",
-                )
+                ) from None
         return None
 
     @unavailable_when_ray_fails

@@ -7,6 +7,7 @@ object instead of reaching into each other; `frontend/README.md` tells how they 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
@@ -29,9 +30,18 @@ from rlfeed.service.scheduler.records import HeldBy
 _ANNOUNCEMENTS_KEPT = 1024
 
 
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class StepSignals:
     """Which steps were stored, here or (announced) at another front-end; waiting GetBatch
-    calls sleep on it and wake when anything changes or the front-end stops."""
+    calls sleep on it and wake when anything changes or the front-end stops.
+
+    A thread waits on a condition (`wait`); a coroutine (the asyncio server's GetBatch)
+    awaits one future per event loop that every change resolves (`wait_async`), so a
+    waiting call holds no thread and a change costs one wake-up per loop, not per call."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
@@ -39,12 +49,22 @@ class StepSignals:
         self.newest_stored_here = -1
         self._holders: OrderedDict[int, str] = OrderedDict()  # step -> front-end id, newest last
         self.stopping = False
+        # The future of each event loop with coroutines waiting; replaced on every change.
+        self._loop_futures: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
+
+    def _changed_now(self) -> None:
+        """Wake every waiter; the caller holds `_changed` and has bumped the version."""
+        self._changed.notify_all()
+        futures, self._loop_futures = self._loop_futures, {}
+        for loop, future in futures.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_wake, future)
 
     def stored_here(self, step: int) -> None:
         with self._changed:
             self.version += 1
             self.newest_stored_here = max(self.newest_stored_here, step)
-            self._changed.notify_all()
+            self._changed_now()
 
     def stored_elsewhere(self, step: int, frontend_id: str) -> None:
         """A peer stored `step`: ranks waiting here for it are forwarded there."""
@@ -53,7 +73,13 @@ class StepSignals:
             while len(self._holders) > _ANNOUNCEMENTS_KEPT:
                 self._holders.popitem(last=False)
             self.version += 1
-            self._changed.notify_all()
+            self._changed_now()
+
+    def nudge(self) -> None:
+        """Wake every waiting call to look again (nothing was stored here)."""
+        with self._changed:
+            self.version += 1
+            self._changed_now()
 
     def holder(self, step: int) -> str | None:
         """The other front-end that announced `step`, if any (and not forgotten)."""
@@ -75,10 +101,22 @@ class StepSignals:
                 lambda: self.version != version or self.stopping, timeout=timeout
             )
 
+    async def wait_async(self, version: int, timeout: float) -> bool:
+        """`wait` for a coroutine on the running loop, holding no thread."""
+        loop = asyncio.get_running_loop()
+        with self._changed:
+            if self.version != version or self.stopping:
+                return True
+            future = self._loop_futures.get(loop)
+            if future is None:
+                future = self._loop_futures[loop] = loop.create_future()
+        done, _ = await asyncio.wait((future,), timeout=timeout)  # never cancels the future
+        return bool(done)
+
     def stop(self) -> None:
         with self._changed:
             self.stopping = True
-            self._changed.notify_all()
+            self._changed_now()
 
 
 class AdmissionGate:
@@ -90,20 +128,29 @@ class AdmissionGate:
         self._in_flight = 0
         self.closed = False
 
-    @contextlib.contextmanager
-    def admit(self, context: grpc.ServicerContext) -> Iterator[None]:
+    REFUSAL = "this front-end is leaving the sidecar; ask again"  # answered UNAVAILABLE
+
+    def enter(self) -> bool:
+        """Count a call in; False (nothing counted) once closed. Never blocks for long."""
         with self._cond:
             if self.closed:
-                context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "this front-end is leaving the sidecar; ask again"
-                )
+                return False
             self._in_flight += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def admit(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self.enter():
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
         try:
             yield
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+            self.leave()
 
     def close(self, timeout_s: float) -> None:
         """Admit nothing more and wait for the calls in flight; RuntimeError on timeout."""

@@ -84,48 +84,75 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self._allow_reflection = allow_reflection
         self._on_refused = on_refused
 
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
+    def refusal(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+        """The decision of the module docstring for a call of `method` with `metadata`:
+        None (it may reach its handler) or the status to refuse it with (counted, logged)."""
+        refused = self._decide(method, metadata)
+        if refused is not None:
+            _log.debug("rlfeed: refused %s: %s", method, refused[0].name)
+            if self._on_refused is not None:
+                self._on_refused(refused[0])
+        return refused
+
+    def _decide(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
         if method.startswith(HEALTH_PREFIX):
-            return continuation(handler_call_details)
+            return None
         reflection = method.startswith(REFLECTION_PREFIXES)
         if reflection and not self._allow_reflection:
-            return self._refuse(
+            return (
                 grpc.StatusCode.UNIMPLEMENTED,
                 "server reflection is off on this sidecar ([security] allow_reflection)",
-                method,
             )
         if self._tokens is None:
-            return continuation(handler_call_details)
-        token = bearer_token(handler_call_details.invocation_metadata)
+            return None
+        token = bearer_token(metadata)
         if token is None:
-            return self._refuse(
+            return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 "this sidecar needs a token: send call metadata 'authorization: Bearer "
                 "<token>' (RLFEED_TOKEN or RLFEED_TOKEN_FILE for the rlfeed clients)",
-                method,
             )
         role = self._tokens.role_of(token)
         if role is None:
-            return self._refuse(
-                grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known", method
-            )
+            return grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known"
         if reflection:
-            return continuation(handler_call_details)
+            return None
         allowed = self._method_roles.get(method)
         if allowed is None or role not in allowed:
-            return self._refuse(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"a {role} token may not call {method}",
-                method,
-            )
+            return grpc.StatusCode.PERMISSION_DENIED, f"a {role} token may not call {method}"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):
+        refused = self.refusal(
+            handler_call_details.method, handler_call_details.invocation_metadata
+        )
+        if refused is not None:
+            return _refusal(*refused)
         return continuation(handler_call_details)
 
-    def _refuse(self, code: grpc.StatusCode, message: str, method: str) -> grpc.RpcMethodHandler:
-        _log.debug("rlfeed: refused %s: %s", method, code.name)
-        if self._on_refused is not None:
-            self._on_refused(code)
-        return _refusal(code, message)
+
+class AioAuthInterceptor(grpc.aio.ServerInterceptor):
+    """`AuthInterceptor`'s decisions on an asyncio server; a refusal aborts on the event
+    loop (no thread of the server's pool is taken for it)."""
+
+    def __init__(self, decider: AuthInterceptor) -> None:
+        self.decider = decider
+
+    async def intercept_service(self, continuation, handler_call_details):
+        refused = self.decider.refusal(
+            handler_call_details.method, handler_call_details.invocation_metadata
+        )
+        if refused is not None:
+            return _async_refusal(*refused)
+        return await continuation(handler_call_details)
+
+
+def _async_refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request_iterator, context):
+        await context.abort(code, message)
+
+    # A coroutine stream-stream handler: nothing is read, as `_refusal`.
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def peer_interceptor(peer_token: str) -> AuthInterceptor:

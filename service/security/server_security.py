@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 from rlfeed.service.security.config import SecurityConfig
 from rlfeed.service.security.credentials import bind_port
-from rlfeed.service.security.interceptor import AuthInterceptor
+from rlfeed.service.security.interceptor import AioAuthInterceptor, AuthInterceptor
 from rlfeed.service.security.signals import reload_tokens_on_sighup
 from rlfeed.service.security.tokens import TokenStore
 
@@ -50,8 +50,14 @@ class ServerSecurity:
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         return [self.interceptor]
 
+    @property
+    def aio_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """The same decisions for an asyncio server (the public port's)."""
+        return [AioAuthInterceptor(self.interceptor)]
+
     def bind(self, server: grpc.Server, address: str) -> int:
-        """`credentials.bind_port` with this config; returns the bound port."""
+        """`credentials.bind_port` with this config; returns the bound port. `server`: a
+        threaded server or anything with its `add_*_port` (`AioServerThread`)."""
         return bind_port(server, address, self.config)
 
     def reload_on_sighup(self) -> Callable[[], None]:
