@@ -95,7 +95,7 @@ num_cpus = 0
 max_workers = 800
 max_unary_calls = 640
 max_calls_per_client = 0
-max_pending_calls = 2048
+max_pending_calls = 8192
 
 [rollouts]
 prompts_per_step = {rollouts // GROUP_SIZE}
