@@ -147,9 +147,7 @@ class SidecarServer:
 
     @property
     def public_address(self) -> str:
-        """Where clients reach this front-end: `address`, with this node's address for a
-        wildcard host."""
-        return f"{_peer_host(self.config.server.host)}:{self.port}"
+        return _public_address(self.config, self.port)
 
     def stop(self, grace: float = 2.0) -> None:
         if self._stopped:
@@ -272,6 +270,12 @@ def _peer_host(host: str) -> str:
     if host in ("0.0.0.0", "::", "[::]", ""):
         return ray.util.get_node_ip_address()
     return host
+
+
+def _public_address(config: SidecarConfig, port: int) -> str:
+    """Where clients reach a front-end on `port`: `[server] host`, with this node's address
+    for a wildcard host."""
+    return f"{_peer_host(config.server.host)}:{port}"
 
 
 def _grpc_server(
@@ -407,7 +411,7 @@ def start_server(
         public = Registration(
             peer_address=peer_address,
             slot=slot if journal is not None else "",
-            address=f"{_peer_host(config.server.host)}:{port}",  # = public_address
+            address=_public_address(config, port),
             node_id=ray.get_runtime_context().get_node_id(),
         )
         public.register(frontend)

@@ -56,16 +56,15 @@ class _FrontEnd:
     peer_address: str
     address: str = ""  # where clients reach it (host:port of its public port)
     node_id: str = ""  # the Ray node it runs on
-    slot: str = ""
     last_seen: float = field(default_factory=time.monotonic)  # its watch's last question
     released_keys: list[int] = field(default_factory=list)
     released_steps: list[int] = field(default_factory=list)
 
-    def seen(self, frontend_id: str, state: str | None = None) -> FrontendSeen:
+    def seen(self, frontend_id: str, slot: str, state: str | None = None) -> FrontendSeen:
         ago = time.monotonic() - self.last_seen
         if state is None:
             state = "serving" if ago <= _SERVING_WITHIN_S else "unresponsive"
-        return FrontendSeen(frontend_id, self.address, self.node_id, self.slot, state, ago)
+        return FrontendSeen(frontend_id, self.address, self.node_id, slot, state, ago)
 
 
 class SchedulerActor:
@@ -139,7 +138,7 @@ class SchedulerActor:
         of its journal (its batch keys are positions there), if journaling. `address` and
         `node_id`: where clients reach it and its Ray node, for `rlfeed status`."""
         known = self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
-        known.address, known.node_id, known.slot = address, node_id, slot
+        known.address, known.node_id = address, node_id
         known.last_seen = time.monotonic()
         if slot:
             self._slots[frontend_id] = slot
@@ -395,8 +394,12 @@ class SchedulerActor:
         return None
 
     def status(self) -> Any:
-        front_end_list = [known.seen(fid) for fid, known in self._frontends.items()]
-        front_end_list += [dead.seen(fid, "restarting") for fid, dead in self._restarting.values()]
+        front_end_list = [
+            known.seen(fid, self._slots.get(fid, "")) for fid, known in self._frontends.items()
+        ]
+        front_end_list += [
+            dead.seen(fid, slot, "restarting") for slot, (fid, dead) in self._restarting.items()
+        ]
         return replace(
             self._scheduler.status(),
             front_ends=len(self._frontends),
