@@ -194,7 +194,7 @@ class JournaledScheduler(Scheduler):
 
     def record_report(self, rank: int, report: dict[str, float]) -> None:
         super().record_report(rank, report)
-        self._record("record_report", int(rank), {k: float(v) for k, v in report.items()})
+        self._record("record_report", int(rank), self.last_reports[int(rank)])
 
     def record_rejection(self) -> None:
         super().record_rejection()

@@ -841,7 +841,7 @@ class Scheduler:
             raise ValueError(f"trainer report: field rank: {rank} is outside [0, {world_size})")
         if report.get("step", 0) < 0:
             raise ValueError(f"trainer report of rank {rank}: field step: {report['step']} < 0")
-        self.last_reports[int(rank)] = dict(report)
+        self.last_reports[int(rank)] = typed_report(report)
         self.counters.trainer_reports += 1
 
     def status(self) -> StatusSnapshot:
@@ -960,7 +960,18 @@ class Scheduler:
         )
         self.counters = Counters(**state["counters"])
         self.step_records.extend(StepRecord(**r) for r in state["step_records"])
-        self.last_reports = {int(rank): report for rank, report in state["last_reports"].items()}
+        self.last_reports = {
+            int(rank): typed_report(report) for rank, report in state["last_reports"].items()
+        }
+
+
+def typed_report(report: dict[str, float]) -> dict[str, float]:
+    """A trainer report as the scheduler keeps it: `step` an int, every other field a float.
+
+    One place decides the types, so a report that went through a journal or a snapshot
+    (where a version before this one wrote `step` as a float) reads back as the live one:
+    status puts `step` in an integer proto field, which refuses 2.0."""
+    return {name: int(value) if name == "step" else float(value) for name, value in report.items()}
 
 
 # The scheduler's scalar state, as a snapshot names it.
