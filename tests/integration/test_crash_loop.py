@@ -15,7 +15,6 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +23,23 @@ import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 
-_spec = importlib.util.spec_from_file_location(
-    "exactly_once", Path(__file__).with_name("exactly_once.py")
-)
-exactly_once = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(exactly_once)
-CONFIG, free_port = exactly_once.CONFIG, exactly_once.free_port
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+exactly_once, serve_process = _load("exactly_once"), _load("serve_process")
+CONFIG = exactly_once.CONFIG
+
+
+def _sidecar(workdir: Path, *flags: str):
+    """`rlfeed serve` on the exactly-once clients' config."""
+    return serve_process.ServeProcess(workdir, *flags, config=CONFIG)
+
+
 GROUP_SIZE, PROMPTS_PER_STEP = exactly_once.GROUP_SIZE, exactly_once.PROMPTS_PER_STEP
 WORLD_SIZE = exactly_once.WORLD_SIZE
 _run_crash_loop, _check, _report = (
@@ -39,65 +49,8 @@ _run_crash_loop, _check, _report = (
 )
 
 
-class Sidecar:
-    """`rlfeed serve` in a process group of its own, restartable on one port and journal."""
-
-    def __init__(self, workdir: Path, *flags: str) -> None:
-        self.flags = flags  # more `rlfeed serve` flags (`--replicas 2`)
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.config = workdir / "rlfeed.toml"
-        self.config.write_text(CONFIG)
-        self.journal = workdir / "journal"
-        self.log = (workdir / "serve.log").open("ab")
-        self.process: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        command = [
-            sys.executable, "-m", "rlfeed", "serve", "--config", str(self.config),
-            "--port", str(self.port), "--journal-dir", str(self.journal), *self.flags,
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.starts += 1
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            status = pb_grpc.SidecarStatusStub(channel)
-            while time.monotonic() < deadline:
-                assert self.process.poll() is None, f"rlfeed serve exited {self.process.returncode}"
-                try:
-                    status.GetStatus(pb.GetStatusRequest(), timeout=1)
-                    return
-                except grpc.RpcError:
-                    time.sleep(0.2)
-        raise AssertionError(f"rlfeed serve did not answer within {timeout_s} s")
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group: no handler runs, nothing is flushed or handed over."""
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _group_alive(self.process.pid):
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.kill()
-        self.log.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _serve_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
-    sidecar = Sidecar(tmp_path)
+    sidecar = _sidecar(tmp_path)
     sidecar.start()
 
     def crash() -> None:
@@ -146,7 +99,7 @@ def _front_ends(address: str) -> int:
             return 0
 
 
-def _wait_for_two_front_ends(sidecar: Sidecar, deadline: float) -> None:
+def _wait_for_two_front_ends(sidecar: serve_process.ServeProcess, deadline: float) -> None:
     while _front_ends(sidecar.address) != 2:
         assert sidecar.process.poll() is None, "the sidecar stopped"
         assert time.monotonic() < deadline, "no second front-end registered"
@@ -157,7 +110,7 @@ class ReplicaCrash:
     """SIGKILL the replica of `rlfeed serve --replicas 2` (never the first process); return
     once the first process has started a new one and it has registered."""
 
-    def __init__(self, sidecar: Sidecar, timeout_s: float = 120.0) -> None:
+    def __init__(self, sidecar: serve_process.ServeProcess, timeout_s: float = 120.0) -> None:
         self.sidecar, self.timeout_s = sidecar, timeout_s
         self.back_after: list[float] = []  # seconds until two front-ends served again
 
@@ -176,7 +129,7 @@ class ReplicaCrash:
 
 
 def _serve_replica_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
-    sidecar = Sidecar(tmp_path, "--replicas", "2")
+    sidecar = _sidecar(tmp_path, "--replicas", "2")
     sidecar.start()
     _wait_for_two_front_ends(sidecar, time.monotonic() + 120)
     crash = ReplicaCrash(sidecar)
