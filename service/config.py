@@ -17,9 +17,10 @@ import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from rlfeed.sched.models import GPUS, MODELS
+from rlfeed.sched.rounds import StepGroups
 from rlfeed.sched.throughput import EpisodeShape
 from rlfeed.service.frontends.config import FrontendsConfig
 from rlfeed.service.journal.config import JournalConfig
@@ -111,6 +112,18 @@ class RolloutsConfig:
     """What makes a step and which rollouts are accepted."""
 
     prompts_per_step: int = documented(8, "complete groups (tasks) per training step")
+    step_groups: Literal["fixed", "sampled"] = documented(
+        "fixed",
+        "how many complete groups a step takes: 'fixed' = prompts_per_step; 'sampled' = as "
+        "many as the curriculum handed out (filtered runs train on fewer groups, as in the "
+        "chapter's 14.5): each SampleTasks call that returns k > 0 tasks opens a round of k "
+        "groups, and step i takes round i's k complete groups in completion order, from "
+        "any producer (not necessarily round i's tasks); groups completing with no round "
+        "waiting for them go prompts_per_step to a step. A group dropped before a step "
+        "(stale, expired, zero-advantage) is deducted from the oldest round still waiting, "
+        "so no step waits for it. A round whose producer dies unfinished keeps waiting and "
+        "is filled by later rounds' groups (the README's 'Step size')",
+    )
     group_size: int = documented(8, "rollouts per group; a group is complete when all have arrived")
     max_policy_lag: int = documented(
         4, "rollouts more than this many policy versions behind the newest seen are dropped"
@@ -168,6 +181,12 @@ class RolloutsConfig:
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, "rollouts", "prompts_per_step", "must be >= 1")
+        _require(
+            self.step_groups in get_args(StepGroups),
+            "rollouts",
+            "step_groups",
+            f"one of {get_args(StepGroups)}, got {self.step_groups!r}",
+        )
         _require(self.group_size >= 1, "rollouts", "group_size", "must be >= 1")
         _require(self.max_policy_lag >= 0, "rollouts", "max_policy_lag", "must be >= 0")
         _require(self.max_version_jump >= 1, "rollouts", "max_version_jump", "must be >= 1")
@@ -353,7 +372,17 @@ class SidecarConfig:
 
 
 def _check_type(section: str, name: str, expected: Any, value: Any) -> Any:
-    expected_type = {"int": int, "float": float, "str": str, "bool": bool}[str(expected)]
+    """`value` as the field's type (`expected`: int, float, str, bool or a Literal of
+    strings), or ValueError naming the field."""
+    if get_origin(expected) is Literal:
+        allowed = get_args(expected)
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(
+                f"[{section}] {name}: expected one of {', '.join(map(repr, allowed))}, "
+                f"got {value!r}"
+            )
+        return value
+    expected_type = expected
     if expected_type is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) != (expected_type is bool) or not isinstance(value, expected_type):
@@ -366,6 +395,7 @@ def _check_type(section: str, name: str, expected: Any, value: Any) -> Any:
 
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
+    types = get_type_hints(cls)  # the annotations are strings (`from __future__`)
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key not in known:
@@ -373,7 +403,7 @@ def _build(cls: type, values: dict[str, Any], section: str) -> Any:
             raise ValueError(
                 f"unknown config key {key!r} in {where}; known keys: {', '.join(known)}"
             )
-        expected = known[key].type
+        expected = types[key]
         if dataclasses.is_dataclass(_SECTIONS.get(key)) and not section:
             if not isinstance(value, dict):
                 raise ValueError(f"[{key}] must be a table, got {value!r}")

@@ -43,7 +43,8 @@ _log = logging.getLogger("rlfeed.service.scheduler.journaled")
 SCHEDULER_SLOT = "scheduler"  # the folder of this journal under [journal] dir
 _CALL = 1  # the one record kind: [format version, method, *arguments]
 CALL_FORMAT_VERSION = 1
-STATE_VERSION = 1  # of `Scheduler.snapshot_state`'s layout
+STATE_VERSION = 2  # of `Scheduler.snapshot_state`'s layout; 2 added "rounds"
+READS_STATE_VERSIONS = (1, STATE_VERSION)  # a version-1 snapshot restores with no rounds
 
 RefOf = Callable[[Any], JournalRef | None]  # a payload handle -> where its bytes are journaled
 
@@ -209,10 +210,10 @@ class JournaledScheduler(Scheduler):
         snapshot = self._snapshots.load_latest()
         after = 0
         if snapshot is not None:
-            if snapshot.version != STATE_VERSION:
+            if snapshot.version not in READS_STATE_VERSIONS:
                 raise ValueError(
                     f"{self._journal.directory}: snapshot at {snapshot.position} has state "
-                    f"version {snapshot.version}; this rlfeed reads {STATE_VERSION}"
+                    f"version {snapshot.version}; this rlfeed reads {READS_STATE_VERSIONS}"
                 )
             self.restore_state(snapshot.state, _unref)
             after = snapshot.position

@@ -26,6 +26,7 @@ from rlfeed.sched.curriculum import (
     select_tasks,
     update_pass_rates,
 )
+from rlfeed.sched.rounds import RoundQueue
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, RejectReason, rollout_error
 from rlfeed.service.scheduler.records import (
@@ -103,6 +104,10 @@ class Scheduler:
         self._open: dict[str, _Group] = {}
         self._complete: OrderedDict[str, _Group] = OrderedDict()
         self._closed: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
+        # How many of the complete groups each next step takes ([rollouts] step_groups);
+        # its count of complete groups is len(self._complete).
+        rollouts = config.rollouts
+        self._rounds = RoundQueue(rollouts.prompts_per_step, rollouts.step_groups)
         # batch key -> [handle, holders (buffered rollouts + unstored steps), token bytes]
         self._payloads: dict[int, list] = {}
         self._payload_bytes = 0  # token bytes of the batches in `_payloads`
@@ -153,6 +158,7 @@ class Scheduler:
         n = min(n or self.config.rollouts.prompts_per_step, len(self._task_ids))
         chosen = select_tasks(self._pass_rates, n, self._curriculum, self._rng)
         inside = inside_filter(self._pass_rates, self._curriculum)[chosen]
+        self._rounds.open_round(int(chosen.size))
         self.counters.tasks_requested += n
         self.counters.tasks_sampled += int(chosen.size)
         self.counters.revisits_sampled += int((~inside).sum())
@@ -366,7 +372,7 @@ class Scheduler:
         stale_tokens = sum(
             row.length for g in stale_groups if self._group(g) for row in self._group(g).rows
         )
-        for group_id in stale_groups:
+        for group_id in sorted(stale_groups):  # a set: sorted, so replay drops alike
             self._drop_group(group_id, "stale")
         expired_rollouts = sum(len(self._group(group_id).rows) for group_id in expired)
         for group_id in expired:
@@ -426,7 +432,7 @@ class Scheduler:
             stale=stale,
             newest_policy_version=max(self._newest_version, 0),
             buffered_rollouts=self._buffered_rollouts,
-            steps_ready=len(self._complete) // self.config.rollouts.prompts_per_step,
+            steps_ready=self._rounds.steps_ready(),
             accepted_tokens=accepted_tokens,
             stale_buffered=freed,
             stale_tokens=stale_tokens,
@@ -468,9 +474,11 @@ class Scheduler:
         buffered groups, which may sit behind the refused batch."""
         if self._rollouts_in_steps:
             return True
-        # Per dropped group, not per complete one: this runs for every batch.
-        complete = len(self._complete) - sum(group_id in self._complete for group_id in dropping)
-        return complete >= self.config.rollouts.prompts_per_step
+        # Per dropped group, not per complete one: this runs for every batch. A group closed
+        # before (late rollouts of a stale one) was deducted from the rounds then.
+        complete = sum(group_id in self._complete for group_id in dropping)
+        new = sum(group_id not in self._closed for group_id in dropping)
+        return self._rounds.ready_despite(dropped=new, dropped_complete=complete)
 
     def record_rejection(self) -> None:
         """Count a batch the front-end rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
@@ -509,7 +517,10 @@ class Scheduler:
         return released
 
     def _drop_group(self, group_id: str, reason: str) -> None:
-        group = self._open.pop(group_id, None) or self._complete.pop(group_id, None)
+        complete = self._complete.pop(group_id, None)
+        group = self._open.pop(group_id, None) or complete
+        if group_id not in self._closed:  # a group leaving for good: no step waits for it
+            self._rounds.drop(was_complete=complete is not None)
         if group is not None:
             self._release_rows(group.rows)
             if reason == "stale":
@@ -564,22 +575,24 @@ class Scheduler:
                 self._close(group_id, "zero_advantage", group.rows)
                 self.counters.zero_advantage_rollouts_dropped += len(group.rows)
                 self._zero_dropped_since_step += 1
+                self._rounds.drop(was_complete=False)
             else:
                 self._complete[group_id] = group
+                self._rounds.add_complete()
 
     # ---- steps ----------------------------------------------------------------------
 
     def plan_ready_steps(self) -> list[StepWork]:
-        """Plan a step from every prompts_per_step complete groups (in completion order).
+        """Plan every step the complete groups make (in completion order), each of
+        prompts_per_step groups or, with step_groups "sampled", of its round's count.
 
         Returns the work to materialize each new step; a step answers "not ready" until its
         responses come back through `store_step`, and holds the batches it reads until
         then (they are released, see `take_releases`, only after that).
         """
-        per_step = self.config.rollouts.prompts_per_step
         work = []
-        while len(self._complete) >= per_step:
-            groups = [self._complete.popitem(last=False) for _ in range(per_step)]
+        while groups_in_step := self._rounds.take_step():
+            groups = [self._complete.popitem(last=False) for _ in range(groups_in_step)]
             work.append(self._plan(groups))
         self._forget_old_groups()
         return work
@@ -830,6 +843,11 @@ class Scheduler:
     def next_step(self) -> int:
         return self._next_step
 
+    def step_rounds(self) -> list[list[int]]:
+        """[groups, 1 if a sampling round else 0] of each step still to plan, oldest first;
+        empty with step_groups "fixed" (a query, `sched.rounds.RoundQueue.entries`)."""
+        return self._rounds.entries()
+
     # ---- trainer reports and status -------------------------------------------------
 
     def record_report(self, rank: int, report: dict[str, float]) -> None:
@@ -911,6 +929,7 @@ class Scheduler:
             "open": _groups_state(self._open),
             "complete": _groups_state(self._complete),
             "closed": [[g, reason, ids] for g, (reason, ids) in self._closed.items()],
+            "rounds": self._rounds.entries(),
             "payloads": payloads,
             "steps": steps,
             "counts": {name: getattr(self, name) for name in _COUNTS},
@@ -944,6 +963,7 @@ class Scheduler:
         for group_id, reason, ids in state["closed"]:
             self._closed[group_id] = (reason, ids)
             self._seen.update(ids)
+        self._rounds.restore(state.get("rounds", []), len(self._complete))  # none: version 1
         self._payloads = {
             int(k): [unref(ref), *rest] for k, (ref, *rest) in state["payloads"].items()
         }

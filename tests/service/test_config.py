@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 import tomllib
 from rlfeed.sched.assembly import StepConfig
 from rlfeed.sched.compute import model_attention_weight
 from rlfeed.sched.curriculum import CurriculumConfig
+from rlfeed.sched.rounds import StepGroups
 from rlfeed.service.config import (
+    RolloutsConfig,
     SidecarConfig,
     config_from_dict,
     dump_config,
@@ -71,11 +74,25 @@ def test_toml_file_overrides_only_what_it_names(tmp_path: Path) -> None:
         ({"server": 3}, r"\[server\] must be a table"),
         ({"server": {"retained_free_mib": -1}}, r"\[server\] retained_free_mib: must be in"),
         ({"server": {"retained_free_mib": 2048}}, r"\[server\] retained_free_mib: must be in"),
+        (
+            {"rollouts": {"step_groups": "dynamic"}},
+            r"\[rollouts\] step_groups: expected one of 'fixed', 'sampled', got 'dynamic'",
+        ),
+        ({"rollouts": {"step_groups": 8}}, r"\[rollouts\] step_groups: expected one of"),
     ],
 )
 def test_bad_config_names_the_key_and_section(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_from_dict(values)
+
+
+def test_step_groups_is_typed_as_the_round_queue_modes() -> None:
+    """The config's Literal is the one `sched.rounds` steps by; "fixed" (today's rule) is
+    the default, and a dataclass built in code is checked too."""
+    assert get_type_hints(RolloutsConfig)["step_groups"] == StepGroups
+    assert SidecarConfig().rollouts.step_groups == "fixed"
+    with pytest.raises(ValueError, match=r"\[rollouts\] step_groups: one of"):
+        RolloutsConfig(step_groups="dynamic")  # type: ignore[arg-type]
 
 
 def test_bad_file_error_names_the_file(tmp_path: Path) -> None:
@@ -97,6 +114,7 @@ def test_dumped_config_reads_back_to_the_same_config(fmt: str) -> None:
         batching={"token_budget": 4096, "cost_model": "padded"},
         curriculum={"sampling": "soft", "seed": 7},
         advantages={"drop_zero_advantage": True},
+        rollouts={"step_groups": "sampled"},
     )
     text = dump_config(config, fmt)
     values = tomllib.loads(text) if fmt == "toml" else json.loads(text)

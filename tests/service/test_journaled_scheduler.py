@@ -1,6 +1,6 @@
 """A `JournaledScheduler` rebuilt from its journal is the scheduler that wrote it: the same
-status, pass rates, dedup memory, random draws and step plans as a plain `Scheduler` that
-received the same calls and never stopped (no Ray, no gRPC)."""
+status, pass rates, dedup memory, random draws, sampling rounds and step plans as a plain
+`Scheduler` that received the same calls and never stopped (no Ray, no gRPC)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.ingest import batch_meta
-from rlfeed.service.journal import Journal, JournalConfig
-from rlfeed.service.scheduler.journaled import SCHEDULER_SLOT, JournaledScheduler
+from rlfeed.service.journal import Journal, JournalConfig, SnapshotStore
+from rlfeed.service.scheduler.journaled import SCHEDULER_SLOT, STATE_VERSION, JournaledScheduler
 from rlfeed.service.scheduler.records import BatchHandle, HeldBy, JournalRef
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import synthetic_groups
@@ -21,10 +21,10 @@ from rlfeed.service.testing import synthetic_groups
 SLOT = "frontend-0"
 
 
-def _config(journal_dir, snapshot_every: int = 20_000) -> SidecarConfig:
+def _config(journal_dir, snapshot_every: int = 20_000, step_groups: str = "fixed") -> SidecarConfig:
     return with_overrides(
         SidecarConfig(),
-        rollouts={"prompts_per_step": 2, "group_size": 4},
+        rollouts={"prompts_per_step": 2, "group_size": 4, "step_groups": step_groups},
         batching={"world_size": 2, "token_budget": 256},
         journal={
             "dir": str(journal_dir),
@@ -96,23 +96,25 @@ def _drive(schedulers: list[Scheduler], seed: int, calls: int, first_key: int = 
 
 def _comparable(scheduler: Scheduler) -> tuple:
     status = dataclasses.asdict(scheduler.status())
-    return status, scheduler.pass_rate_estimates().tolist()
+    return status, scheduler.pass_rate_estimates().tolist(), scheduler.step_rounds()
 
 
+@pytest.mark.parametrize("step_groups", ["fixed", "sampled"])
 @pytest.mark.parametrize("snapshot_every", [20_000, 7])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_replay_rebuilds_the_scheduler_that_never_stopped(
-    tmp_path, seed: int, snapshot_every: int
+    tmp_path, seed: int, snapshot_every: int, step_groups: str
 ) -> None:
     """Replayed from the first call, or from a snapshot taken mid-run plus the calls after
-    it (old segments deleted): the same scheduler either way."""
-    config = _config(tmp_path, snapshot_every)
+    it (old segments deleted): the same scheduler either way, its sampling rounds too."""
+    config = _config(tmp_path, snapshot_every, step_groups)
     journaled = JournaledScheduler(config, tmp_path, _ref_of)
     plain = Scheduler(config, track_releases=True)
     for scheduler in (journaled, plain):
         scheduler.register_tasks([f"t{i}" for i in range(5)])
     _drive([journaled, plain], seed, calls=200)
     assert plain.next_step >= 3  # the workload planned, stored and fetched steps
+    assert (step_groups == "sampled") == bool(plain.step_rounds())  # rounds still open
     journaled.close()
     segments = sorted((tmp_path / SCHEDULER_SLOT).glob("*.seg"))
     if snapshot_every < 20_000:
@@ -204,3 +206,67 @@ def test_a_planned_step_reads_the_journal_of_a_dead_front_end_until_claimed(tmp_
     journaled.store_step(work.step, [HeldBy("next")] * 2, 10, [JournalRef(SLOT, 4)] * 2)
     assert journaled.step_payloads(work.step) == {}
     journaled.close()
+
+
+def _groups_meta(tasks: list[str], prefix: str, rows: range):
+    rollouts = synthetic_groups(
+        num_groups=len(tasks),
+        group_size=4,
+        rng=np.random.default_rng(0),
+        tasks=tasks,
+        prefix=prefix,
+    )
+    return batch_meta(decode_rollout_batch(rollouts.encode(list(rows))))
+
+
+@pytest.mark.parametrize("from_snapshot", [False, True])
+def test_a_sidecar_restarted_mid_round_still_makes_the_round_s_step(
+    tmp_path, from_snapshot: bool
+) -> None:
+    """step_groups "sampled": a round of 3 (prompts_per_step is 2), 2 of its groups in,
+    restart; the third group after it makes a step of 3, from replay or a snapshot."""
+    config = _config(tmp_path, step_groups="sampled")
+    journaled = JournaledScheduler(config, tmp_path, _ref_of)
+    journaled.register_tasks([f"t{i}" for i in range(5)])
+    tasks = journaled.sample_tasks(3).task_ids
+    assert _ingest_and_store(journaled, _groups_meta(tasks, "m-", range(8)), 1)[1] == []
+    journaled.commit()
+    if from_snapshot:
+        assert journaled.snapshot()
+    before = _comparable(journaled)
+    journaled.close()
+
+    rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
+    assert _comparable(rebuilt) == before
+    assert rebuilt.step_rounds() == [[3, 1]] and rebuilt.status().complete_groups == 2
+    _, plans = _ingest_and_store(rebuilt, _groups_meta(tasks, "m-", range(8, 12)), 2)
+    assert [plan.num_groups for plan in plans] == [3]
+    rebuilt.close()
+
+
+def test_a_snapshot_from_before_rounds_is_read_its_groups_stepping_as_fallback(
+    tmp_path,
+) -> None:
+    """State version 1 had no "rounds": its complete groups go prompts_per_step to a step.
+    A version this rlfeed does not know is refused, not misread."""
+    config = _config(tmp_path, step_groups="sampled")
+    journaled = JournaledScheduler(config, tmp_path, _ref_of)
+    journaled.register_tasks([f"t{i}" for i in range(5)])
+    _ingest_and_store(journaled, _groups_meta(["t0", "t1"], "v1-", range(6)), 1)
+    assert journaled.snapshot()
+    before = _comparable(journaled)
+    journaled.close()
+    store = SnapshotStore(tmp_path / SCHEDULER_SLOT, config.journal)
+    snapshot = store.load_latest()
+    assert snapshot.version == STATE_VERSION == 2 and snapshot.state["rounds"] == [[2, 0]]
+    del snapshot.state["rounds"]
+    store.write(snapshot.position, 1, snapshot.state)
+
+    rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
+    assert _comparable(rebuilt) == before  # the one complete group: a fallback step of 2
+    _, plans = _ingest_and_store(rebuilt, _groups_meta(["t0", "t1"], "v1-", range(6, 8)), 2)
+    assert [plan.num_groups for plan in plans] == [2]
+    rebuilt.close()
+    store.write(snapshot.position, 99, snapshot.state)
+    with pytest.raises(ValueError, match="state version 99"):
+        JournaledScheduler(config, tmp_path, _ref_of)
