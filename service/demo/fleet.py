@@ -66,14 +66,26 @@ class SyntheticTasks:
         self._rng = np.random.default_rng(config.seed)
         self.task_ids = [f"task-{j:04d}" for j in range(config.num_tasks)]
         self._index = {task_id: j for j, task_id in enumerate(self.task_ids)}
-        low, high = config.initial_pass_rate
         # Logit-uniform initial pass rates: many near-impossible and near-solved tasks,
         # which is the shape that makes a pass-rate filter worth having.
-        p = self._rng.uniform(low, high, config.num_tasks) ** 1.5
-        self._logits = np.log(p / (1.0 - p))
+        self._logits = self._initial_logits(config.num_tasks)
+
+    def _initial_logits(self, n: int) -> np.ndarray:
+        low, high = self.config.initial_pass_rate
+        p = self._rng.uniform(low, high, n) ** 1.5
+        return np.log(p / (1.0 - p))
+
+    def _position(self, task_id: str) -> int:
+        """The task's index; a task the sidecar holds but this fleet did not register (a
+        deployment's own pool, `rlfeed demo --address`) joins with a drawn pass rate."""
+        if task_id not in self._index:
+            self._index[task_id] = len(self._logits)
+            self._logits = np.concatenate([self._logits, self._initial_logits(1)])
+        return self._index[task_id]
 
     def pass_rate(self, task_id: str) -> float:
-        return float(1.0 / (1.0 + np.exp(-self._logits[self._index[task_id]])))
+        position = self._position(task_id)  # before reading _logits: it may grow
+        return float(1.0 / (1.0 + np.exp(-self._logits[position])))
 
     def pass_rates(self) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-self._logits))
@@ -158,7 +170,7 @@ def run_fleet(
             time.sleep(0.05)
             continue
         stats.expected_uniform_zero_advantage_groups += (
-            tasks.expected_zero_advantage_groups() * len(task_ids) / config.num_tasks
+            tasks.expected_zero_advantage_groups() * len(task_ids) / tasks.pass_rates().size
         )
         version = policy_version()
         for task_id in task_ids:

@@ -5,10 +5,11 @@ Two `rlfeed serve --journal-dir` processes (twins) get the same calls in the sam
 ingest (stream and unary), task registration and sampling, fetches, acknowledgements and
 trainer reports. One twin is then stopped (SIGTERM, later SIGKILL) and started again on its
 journal. After each restart every RPC of the .proto and every CLI command that reads a
-sidecar (`status`, `status --json`, `layout --step`) is asked of both
-twins, and the answers must be equal. Comparing answers, not the scheduler's state, is the
-point: the state was equal before, and `GetStatus` still failed after a restart because a
-replayed trainer report came back with a float step.
+sidecar (`status`, `status --json`, `layout --step`) is asked of both twins, and the
+answers must be equal; last, `demo --address` runs against the restarted one. Comparing
+answers, not the scheduler's state, is the point: the state was equal before, and
+`GetStatus` still failed after a restart because a replayed trainer report came back with a
+float step.
 
 What may differ between twins is only what names a process: a front-end's id and Ray
 node id, and the sidecar's address in the CLI's first line.
@@ -200,6 +201,10 @@ def test_a_restarted_sidecar_answers_every_rpc_and_command_as_one_that_never_sto
             reports = again["GetStatus"].last_reports
             assert [r.step for r in reports] == reported_steps  # replayed reports, typed
             assert not reports[1].HasField("ratio_outlier_share")  # step 1 left it unset
+        # The demo's fleet against the restarted sidecar, whose pool holds tasks of ours.
+        demo = _cli("demo", "--address", restarted.address, "--steps", "1")
+        assert demo.returncode == 0, demo.stderr[-2000:]
+        assert "rollouts trained" in demo.stdout
     finally:
         for twin in twins:
             twin.stop()
