@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
-from rlfeed.service.errors import InvalidBatchError
+from rlfeed.service.errors import InvalidBatchError, RejectReason
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.ingest import batch_meta
-from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.frontend.validation import LOGPROB_TOLERANCE, validate_rollout_batch
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
 
@@ -76,6 +76,8 @@ BROKEN = {
     "infinite reward": (lambda r: r.rewards.__setitem__(4, float("inf")), "reward"),
     "NaN log-prob": (_set_token("sampler_logprobs", np.nan), "sampler_logprobs"),
     "-inf log-prob": (_set_token("sampler_logprobs", -np.inf), "sampler_logprobs"),
+    "log-prob +3.0": (_set_token("sampler_logprobs", 3.0), "sampler_logprobs"),
+    "log-prob just above 0": (_set_token("sampler_logprobs", 1e-5), "sampler_logprobs"),
     "token id = vocab size": (_set_token("token_ids", VOCAB), "token_ids"),
     "negative token id": (_set_token("token_ids", -1), "token_ids"),
     "mask value 2": (_set_token("action_mask", 2), "action_mask"),
@@ -100,6 +102,31 @@ def test_a_sequence_exactly_at_the_budget_is_fine() -> None:
     _too_long(rollouts)
     for name in ("token_ids", "action_mask", "sampler_logprobs"):
         getattr(rollouts, name)[4] = getattr(rollouts, name)[4][:BUDGET]
+    _validate(rollouts)
+
+
+def test_a_positive_log_prob_is_refused_naming_rollout_field_and_token() -> None:
+    rollouts = _rollouts()
+    logprobs = rollouts.sampler_logprobs[4].copy()
+    logprobs[2] = 3.0
+    rollouts.sampler_logprobs[4] = logprobs
+    with pytest.raises(InvalidBatchError) as error:
+        _validate(rollouts)
+    assert str(error.value) == (
+        f"rollout '{rollouts.rollout_ids[4]}': field sampler_logprobs: 3.0 at token 2 is "
+        "above 0; a log-probability is <= 0 (tolerance 1e-06)"
+    )
+    assert error.value.reason is RejectReason.POSITIVE_LOGPROB
+
+
+def test_log_probs_of_zero_and_float_rounding_above_it_are_accepted() -> None:
+    """A certain token's log-prob is 0, and float32 arithmetic may land a few ulps above."""
+    rollouts = _rollouts()
+    for row in range(len(rollouts.sampler_logprobs)):
+        logprobs = rollouts.sampler_logprobs[row].copy()
+        logprobs[-1] = 0.0
+        logprobs[0] = np.float32(LOGPROB_TOLERANCE * 0.5)
+        rollouts.sampler_logprobs[row] = logprobs
     _validate(rollouts)
 
 
