@@ -198,6 +198,18 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
         )
 
 
+def unchecked_vocabulary_warning(vocab_size: int) -> str | None:
+    """The start-up warning when token ids are not checked against a vocabulary (the
+    default, since rlfeed cannot know the tokenizer); None when they are."""
+    if vocab_size > 0:
+        return None
+    return (
+        "rlfeed: [rollouts] vocab_size = 0: token ids are only checked to be >= 0, so an id "
+        "past the model's vocabulary reaches the trainer; set it to the tokenizer's "
+        "vocabulary size"
+    )
+
+
 def validate_rollout_batch(
     batch: RolloutBatchArrays,
     *,

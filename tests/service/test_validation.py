@@ -3,6 +3,9 @@ whether the front-end's validation or the scheduler (unknown tasks) finds it."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.errors import InvalidBatchError, RejectReason
 from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
+from rlfeed.service.frontend.ingest import RolloutIngest, batch_meta
 from rlfeed.service.frontend.validation import LOGPROB_TOLERANCE, validate_rollout_batch
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
@@ -142,3 +145,20 @@ def test_the_first_offending_rollout_is_reported() -> None:
 @given(seed=st.integers(0, 2**31))
 def test_well_formed_batches_pass(seed: int) -> None:
     _validate(_rollouts(seed))
+
+
+@pytest.mark.parametrize("vocab_size", [0, VOCAB])
+def test_a_front_end_warns_at_start_up_when_token_ids_are_unchecked(vocab_size, caplog) -> None:
+    """vocab_size 0 (the default: rlfeed cannot know the tokenizer) lets any id >= 0 through;
+    each front-end says so once, naming the setting, when its ingest handler is built."""
+    config = SidecarConfig(rollouts=RolloutsConfig(vocab_size=vocab_size))
+    frontend = SimpleNamespace(config=config, scheduler=SimpleNamespace(ingest=None))
+    with caplog.at_level(logging.WARNING, logger="rlfeed.service.frontend.ingest"):
+        RolloutIngest(frontend, assembler=None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if vocab_size:
+        assert warnings == []
+    else:
+        (warning,) = warnings
+        assert warning.startswith("rlfeed: [rollouts] vocab_size = 0: token ids are only checked")
+        assert "set it to the tokenizer's vocabulary size" in warning
