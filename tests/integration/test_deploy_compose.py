@@ -265,3 +265,12 @@ def test_grafana_gets_the_repositorys_provisioning_and_its_datasource_is_the_com
     # The single `docker run` of deploy/grafana/README.md sets them too.
     readme = (DEPLOY / "grafana/README.md").read_text()
     assert all(f"-e {name}=" in readme for name in variables)
+
+
+def test_the_images_journal_folder_is_owned_by_ray_and_private() -> None:
+    """The named volume starts as a copy of it: the journal (training data) is 0700, as the
+    folders rlfeed creates are (service/journal/files.py)."""
+    (run,) = [a for i, a in _instructions() if i == "RUN" and "/journal" in a]
+    steps = [step.strip() for step in run.split("&&")]
+    assert "chown ray:users /journal" in steps and "chmod 0700 /journal" in steps
+    assert _parsed(shlex.split(_service("rlfeed")["command"])).journal_dir == "/journal"
