@@ -142,7 +142,13 @@ class RolloutsConfig:
         "max_version_jump and max_policy_lag; -1 = take the first accepted rollout's version "
         "(then a bogus version on the very first rollout becomes the baseline)",
     )
-    vocab_size: int = documented(0, "token ids must lie in [0, vocab_size); 0 = only check >= 0")
+    vocab_size: int = documented(
+        0,
+        "token ids must lie in [0, vocab_size): set it to the tokenizer's vocabulary size. "
+        "0 = unchecked (ids only >= 0; an id past the vocabulary reaches the trainer's "
+        "embedding lookup): rlfeed then warns at start-up and exports "
+        "rlfeed_rollouts_vocab_size 0",
+    )
     dedup_window_groups: int = documented(
         100_000,
         "closed groups (trained, stale or dropped) whose rollout ids are remembered so a "

@@ -14,6 +14,7 @@ class RejectReason(str, Enum):
     LENGTH_MISMATCH = "length_mismatch"  # per-rollout arrays of different lengths, empty sequence
     TOO_LONG = "too_long"  # sequence longer than the token budget
     NON_FINITE = "non_finite"  # NaN/inf reward or log-prob
+    POSITIVE_LOGPROB = "positive_logprob"  # a sampler log-prob > 0: not a log-probability
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside [0, vocab_size)
     UNKNOWN_TASK = "unknown_task"  # task id not registered
     BAD_ACTION_MASK = "bad_action_mask"  # action_mask[0] == 1, or a value other than 0/1

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "serve": "run the sidecar: gRPC server + Ray-hosted scheduler (+ metrics)",
     "demo": "run the sidecar with a synthetic inference fleet and two trainer ranks",
     "status": "ask a running sidecar for its health and progress",
+    "health": "one gRPC health check, no token needed (exit 0 while SERVING): for probes",
     "layout": "render the padded vs packed layout of a served step as a PNG",
 }
 

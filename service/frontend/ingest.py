@@ -9,6 +9,7 @@ metadata and the handle; the ack answers from its result.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import grpc
@@ -26,7 +27,10 @@ from rlfeed.service.frontend.codec import (
 from rlfeed.service.frontend.journaling import KIND_BATCH
 from rlfeed.service.frontend.requests import check_task_ids
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
-from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.frontend.validation import (
+    unchecked_vocabulary_warning,
+    validate_rollout_batch,
+)
 from rlfeed.service.scheduler.client import IngestGroups
 from rlfeed.service.scheduler.records import (
     BatchHandle,
@@ -36,6 +40,8 @@ from rlfeed.service.scheduler.records import (
     IngestResult,
     Refused,
 )
+
+_log = logging.getLogger(__name__)
 
 
 def decode_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
@@ -89,6 +95,9 @@ class RolloutIngest:
         self.frontend = frontend
         self.assembler = assembler
         self._groups = IngestGroups(frontend.scheduler.ingest)
+        warning = unchecked_vocabulary_warning(frontend.config.rollouts.vocab_size)
+        if warning is not None:
+            _log.warning(warning)
 
     def SubmitRollouts(self, request_iterator, context):
         for request in request_iterator:

@@ -18,6 +18,12 @@ from rlfeed.service.frontend.codec import RolloutBatchArrays
 from rlfeed.service.frontend.requests import first_long_id
 from rlfeed.service.server_config import DEFAULT_MAX_ID_BYTES, DEFAULT_MAX_IDS_PER_CALL
 
+# A log-probability is <= 0. Samplers compute it in float32 (and sometimes bf16 before the
+# log-softmax), so a certain token can come out a few ulps above 0: tolerated up to here.
+# Anything larger is a probability, a logit or a sign error, and would corrupt every
+# importance ratio of the rollout.
+LOGPROB_TOLERANCE = 1e-6
+
 
 def _rollout_of_token(offsets: np.ndarray, position: int) -> int:
     return int(np.searchsorted(offsets, position, side="right") - 1)
@@ -132,6 +138,17 @@ def _check_finite(batch: RolloutBatchArrays) -> None:
             "is not finite",
             reason=RejectReason.NON_FINITE,
         )
+    logprobs = batch.sampler_logprobs
+    if logprobs.size and logprobs.max() > LOGPROB_TOLERANCE:
+        position = int(np.flatnonzero(logprobs > LOGPROB_TOLERANCE)[0])
+        row = _rollout_of_token(batch.offsets, position)
+        raise rollout_error(
+            batch.rollout_ids[row],
+            "sampler_logprobs",
+            f"{float(logprobs[position])} at token {position - int(batch.offsets[row])} is "
+            f"above 0; a log-probability is <= 0 (tolerance {LOGPROB_TOLERANCE:g})",
+            reason=RejectReason.POSITIVE_LOGPROB,
+        )
 
 
 def _all_finite(values: np.ndarray) -> bool:
@@ -181,6 +198,18 @@ def _check_tokens(batch: RolloutBatchArrays, vocab_size: int) -> None:
         )
 
 
+def unchecked_vocabulary_warning(vocab_size: int) -> str | None:
+    """The start-up warning when token ids are not checked against a vocabulary (the
+    default, since rlfeed cannot know the tokenizer); None when they are."""
+    if vocab_size > 0:
+        return None
+    return (
+        "rlfeed: [rollouts] vocab_size = 0: token ids are only checked to be >= 0, so an id "
+        "past the model's vocabulary reaches the trainer; set it to the tokenizer's "
+        "vocabulary size"
+    )
+
+
 def validate_rollout_batch(
     batch: RolloutBatchArrays,
     *,
@@ -193,11 +222,11 @@ def validate_rollout_batch(
 
     Rules: non-empty unique rollout ids; non-empty task/group ids; per rollout, token_ids,
     action_mask and sampler_logprobs of equal length 1..token_budget; policy_version >= 0;
-    finite rewards and
-    log-probs; 0 <= token id < vocab_size (vocab_size 0: only >= 0); action mask values 0/1
-    with action_mask[0] == 0; at most `max_rollouts` rollouts and ids of at most
-    `max_id_bytes` UTF-8 bytes (`[server]` max_ids_per_call, max_id_bytes). Whether each
-    task is registered is the scheduler's check.
+    finite rewards and log-probs; log-probs <= LOGPROB_TOLERANCE; 0 <= token id <
+    vocab_size (vocab_size 0: only >= 0); action mask values 0/1 with action_mask[0] == 0;
+    at most `max_rollouts` rollouts and ids of at most `max_id_bytes` UTF-8 bytes
+    (`[server]` max_ids_per_call, max_id_bytes). Whether each task is registered is the
+    scheduler's check.
     """
     _check_id_caps(batch, max_rollouts, max_id_bytes)
     _check_ids(batch)

@@ -1,4 +1,10 @@
-"""The few POSIX file operations durability rests on, each done the one right way."""
+"""The few POSIX file operations durability rests on, each done the one right way.
+
+Journal segments and snapshots are training data (token ids, rewards of every rollout):
+files are created 0600 and the directories the journal creates 0700, owner only (the
+umask can only narrow them). A directory that already exists, such as a mounted volume,
+keeps its mode: an operator's, not ours to change.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,23 @@ from rlfeed.service.journal.errors import JournalLockedError
 
 # fdatasync flushes the data and the size (what a reader needs), not the timestamps.
 sync_fd = getattr(os, "fdatasync", os.fsync)
+FILE_MODE = 0o600  # segments, snapshots, LOCK: the owner reads and writes, nobody else
+DIRECTORY_MODE = 0o700
+
+
+def make_private_directory(directory: Path) -> None:
+    """Create `directory` and its missing parents, each DIRECTORY_MODE; existing ones are
+    left as they are. Safe against another process creating them at the same time."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=DIRECTORY_MODE)
+        except FileExistsError:
+            if not path.is_dir():
+                raise
 
 
 def fsync_directory(directory: Path) -> None:
@@ -42,7 +65,7 @@ def create_file_atomically(path: Path, chunks: Sequence[bytes]) -> None:
     `*.tmp` file is the caller's to delete on start-up.
     """
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         write_all(fd, chunks)
         os.fsync(fd)
@@ -60,7 +83,7 @@ class DirectoryLock:
     """
 
     def __init__(self, directory: Path) -> None:
-        self._fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -23,7 +23,12 @@ from pathlib import Path
 
 from rlfeed.service.journal.config import JournalConfig
 from rlfeed.service.journal.errors import JournalClosedError, JournalRangeError
-from rlfeed.service.journal.files import DirectoryLock, sync_fd, write_all
+from rlfeed.service.journal.files import (
+    DirectoryLock,
+    make_private_directory,
+    sync_fd,
+    write_all,
+)
 from rlfeed.service.journal.records import (
     FILE_HEADER_BYTES,
     RECORD_HEADER_BYTES,
@@ -79,7 +84,7 @@ class Journal:
         if any file fails a check other than a torn tail (which is cut, with a warning).
         """
         path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
+        make_private_directory(path)
         warn_if_slow_crc()
         lock = DirectoryLock(path)
         try:

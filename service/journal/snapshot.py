@@ -25,7 +25,11 @@ from typing import Any
 import google_crc32c
 import msgpack
 from rlfeed.service.journal.config import JournalConfig
-from rlfeed.service.journal.files import create_file_atomically, fsync_directory
+from rlfeed.service.journal.files import (
+    create_file_atomically,
+    fsync_directory,
+    make_private_directory,
+)
 
 _log = logging.getLogger("rlfeed.service.journal")
 
@@ -57,7 +61,7 @@ class SnapshotStore:
     def __init__(self, directory: str | os.PathLike[str], config: JournalConfig) -> None:
         self.directory = Path(directory)
         self.config = config
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private_directory(self.directory)
         for entry in os.scandir(self.directory):
             if _TMP.match(entry.name):
                 _log.warning("journal: deleting %s, a snapshot a crash cut short", entry.path)

@@ -32,8 +32,12 @@ if TYPE_CHECKING:
     from rlfeed.service.config import AccountingConfig
     from rlfeed.service.metrics.figures import StepFigures, StepPrice
 
-# Why a batch was rejected (the `reason` label): RejectReason's values.
-REJECT_REASONS: tuple[str, ...] = tuple(reason.value for reason in RejectReason)
+# Why a batch was rejected (the `reason` label): RejectReason's values, except a full buffer.
+# That refusal is backpressure, the normal way a fast fleet waits for the trainer: it has its
+# own counter, so an alert on rejected batches fires on bad input only.
+REJECT_REASONS: tuple[str, ...] = tuple(
+    reason.value for reason in RejectReason if reason is not RejectReason.BUFFER_FULL
+)
 # Upper bounds (le) of the pass-rate buckets; 0 and 0.9999 isolate the tasks a (0, 1)
 # filter excludes as all-fail and all-pass.
 PASS_RATE_BUCKETS: tuple[float, ...] = (
@@ -81,30 +85,50 @@ class MetricFamilies:
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
 
-        Info("rlfeed_accounting", "Presets and MFU that price steps.", registry=r).info(
-            {"model": accounting.model, "gpu": accounting.gpu, "mfu": repr(accounting.mfu)}
-        )
+        Info(
+            "rlfeed_accounting",
+            "The [accounting] model and GPU presets and the MFU that price each step.",
+            registry=r,
+        ).info({"model": accounting.model, "gpu": accounting.gpu, "mfu": repr(accounting.mfu)})
         # Process health (process_*: CPU, memory, file descriptors, start time; python_*:
         # interpreter and garbage collection) of the front-end process, as the default
         # registry of prometheus_client would have it, and the running version.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        Info("rlfeed_build", "The running rlfeed.", registry=r).info({"version": __version__})
+        Info("rlfeed_build", "The version of the running rlfeed.", registry=r).info(
+            {"version": __version__}
+        )
         # Ingest.
-        self.ingest_batches = counter("rlfeed_ingest_batches", "Rollout batches acknowledged.")
-        self.rollouts_accepted = counter("rlfeed_ingest_rollouts_accepted", "Rollouts buffered.")
-        self.tokens_accepted = counter("rlfeed_ingest_tokens_accepted", "Tokens of those.")
+        self.ingest_batches = counter(
+            "rlfeed_ingest_batches", "Rollout batches acknowledged (taken, in whole or part)."
+        )
+        self.rollouts_accepted = counter(
+            "rlfeed_ingest_rollouts_accepted", "Rollouts accepted into the buffer."
+        )
+        self.tokens_accepted = counter(
+            "rlfeed_ingest_tokens_accepted", "Tokens of the rollouts accepted into the buffer."
+        )
         self.rollouts_duplicate = counter(
             "rlfeed_ingest_rollouts_duplicate", "Rollout ids resubmitted (idempotent, ignored)."
         )
         reason = ("reason",)
-        self.batches_rejected = counter("rlfeed_ingest_batches_rejected", "Batches.", reason)
+        self.batches_rejected = counter(
+            "rlfeed_ingest_batches_rejected",
+            "Rollout batches refused as invalid (INVALID_ARGUMENT), by reason; a full buffer "
+            "is counted apart, in rlfeed_ingest_batches_backpressured_total.",
+            reason,
+        )
         self.rollouts_rejected = counter(
-            "rlfeed_ingest_rollouts_rejected", "Rollouts in rejected batches.", reason
+            "rlfeed_ingest_rollouts_rejected", "Rollouts in batches refused as invalid.", reason
         )
         self.tokens_rejected = counter(
-            "rlfeed_ingest_tokens_rejected", "Tokens in rejected batches.", reason
+            "rlfeed_ingest_tokens_rejected", "Tokens in batches refused as invalid.", reason
+        )
+        self.batches_backpressured = counter(
+            "rlfeed_ingest_batches_backpressured",
+            "Rollout batches refused because the buffer was full (RESOURCE_EXHAUSTED): "
+            "backpressure, retried by the producer once a trainer fetches a step.",
         )
         for family in (self.batches_rejected, self.rollouts_rejected, self.tokens_rejected):
             for value in REJECT_REASONS:
@@ -112,7 +136,9 @@ class MetricFamilies:
         self.rollouts_stale = counter(
             "rlfeed_ingest_rollouts_stale", "Rollouts dropped as older than max_policy_lag."
         )
-        self.tokens_stale = counter("rlfeed_ingest_tokens_stale", "Tokens of those.")
+        self.tokens_stale = counter(
+            "rlfeed_ingest_tokens_stale", "Tokens of the rollouts dropped as stale."
+        )
         self.rollouts_expired = counter(
             "rlfeed_ingest_rollouts_expired",
             "Buffered rollouts dropped with their group, oldest first, to stay under "
@@ -120,12 +146,16 @@ class MetricFamilies:
         )
         self.ack_latency = Histogram(
             "rlfeed_ingest_ack_latency_seconds",
-            "From receiving a rollout batch to its ack.",
+            "Seconds from receiving a rollout batch to sending its ack.",
             buckets=ACK_LATENCY_BUCKETS,
             registry=r,
         )
-        self.buffered_rollouts = gauge("rlfeed_buffered_rollouts", "Accepted, not yet in a step.")
-        self.buffered_bytes = gauge("rlfeed_buffered_bytes", "Token payload bytes buffered.")
+        self.buffered_rollouts = gauge(
+            "rlfeed_buffered_rollouts", "Rollouts accepted and not yet in a step."
+        )
+        self.buffered_bytes = gauge(
+            "rlfeed_buffered_bytes", "Bytes of token payload held by buffered rollouts."
+        )
         self.held_bytes = gauge(
             "rlfeed_held_bytes",
             "Bytes counted against max_buffered_bytes: ingest batches that buffered rollouts "
@@ -134,29 +164,51 @@ class MetricFamilies:
         self.newest_policy_version = gauge(
             "rlfeed_newest_policy_version", "Newest policy version seen in a rollout."
         )
+        self.vocab_size = gauge(
+            "rlfeed_rollouts_vocab_size",
+            "Token ids must lie in [0, this) ([rollouts] vocab_size); 0 means they are not "
+            "checked against a vocabulary.",
+        )
         # Batching: gauges of the newest step, counters over all steps.
         self.step = gauge("rlfeed_step", "Number of the newest assembled step.")
         self.step_rollouts = gauge("rlfeed_step_rollouts", "Rollouts in the newest step.")
-        self.step_policy_tokens = gauge("rlfeed_step_policy_tokens", "Global policy tokens N.")
-        self.step_real_tokens = gauge("rlfeed_step_real_tokens", "Real tokens of the step.")
-        self.step_computed = gauge("rlfeed_step_computed_positions", "Positions computed.")
-        self.step_padded = gauge(
-            "rlfeed_step_padded_positions", "Positions of the padded alternative (count x max)."
+        self.step_policy_tokens = gauge(
+            "rlfeed_step_policy_tokens",
+            "Policy tokens (action_mask 1) of the newest step, all ranks: the loss's N.",
         )
-        self.step_padding = gauge("rlfeed_step_padding_ratio", "Padding share of the plan.")
+        self.step_real_tokens = gauge(
+            "rlfeed_step_real_tokens", "Tokens of the newest step's rollouts, all ranks."
+        )
+        self.step_computed = gauge(
+            "rlfeed_step_computed_positions",
+            "Token positions the newest step's packed microbatches compute, padding included.",
+        )
+        self.step_padded = gauge(
+            "rlfeed_step_padded_positions",
+            "Token positions the padded alternative would compute for the newest step "
+            "(rollouts x longest rollout).",
+        )
+        self.step_padding = gauge(
+            "rlfeed_step_padding_ratio",
+            "Share of the newest step's computed positions that are padding.",
+        )
         self.step_padded_padding = gauge(
             "rlfeed_step_padded_alternative_padding_ratio",
             "Padding share if every rollout were padded to the step's longest.",
         )
         self.step_fill = gauge(
-            "rlfeed_step_fill_ratio", "Real tokens / (microbatches x token budget)."
+            "rlfeed_step_fill_ratio",
+            "Newest step's real tokens / (microbatches x token budget).",
         )
-        self.step_microbatches = gauge("rlfeed_step_microbatches", "Microbatches, all ranks.")
+        self.step_microbatches = gauge(
+            "rlfeed_step_microbatches", "Microbatches of the newest step, all ranks."
+        )
         self.step_microbatches_per_rank = gauge(
-            "rlfeed_step_microbatches_per_rank", "Microbatches each rank runs."
+            "rlfeed_step_microbatches_per_rank", "Microbatches each rank runs in the newest step."
         )
         self.step_largest = gauge(
-            "rlfeed_step_largest_microbatch_positions", "Positions of the largest microbatch."
+            "rlfeed_step_largest_microbatch_positions",
+            "Token positions of the newest step's largest microbatch.",
         )
         self.step_imbalance = gauge(
             "rlfeed_step_rank_imbalance",
@@ -178,39 +230,66 @@ class MetricFamilies:
             "Share of rank-time spent working, counted in predicted compute: what trainer "
             "time follows, and what predicted GPU-seconds are divided by.",
         )
-        self.step_token_budget = gauge("rlfeed_step_token_budget", "Token budget per microbatch.")
-        self.steps_assembled = counter("rlfeed_steps_assembled", "Steps assembled.")
-        self.rollouts_trained = counter("rlfeed_rollouts_trained", "Rollouts in steps.")
-        self.policy_tokens = counter("rlfeed_policy_tokens", "Policy tokens in steps.")
-        self.real_tokens = counter("rlfeed_real_tokens", "Real tokens in steps.")
-        self.computed_positions = counter("rlfeed_computed_positions", "Positions computed.")
-        self.padded_positions = counter(
-            "rlfeed_padded_alternative_positions", "Positions the padded alternative computes."
+        self.step_token_budget = gauge(
+            "rlfeed_step_token_budget", "Tokens each microbatch may hold ([batching] token_budget)."
         )
-        self.microbatches = counter("rlfeed_microbatches", "Microbatches in steps, all ranks.")
+        self.steps_assembled = counter(
+            "rlfeed_steps_assembled", "Steps assembled from complete groups."
+        )
+        self.rollouts_trained = counter(
+            "rlfeed_rollouts_trained", "Rollouts placed in assembled steps."
+        )
+        self.policy_tokens = counter(
+            "rlfeed_policy_tokens", "Policy tokens (action_mask 1) in assembled steps."
+        )
+        self.real_tokens = counter(
+            "rlfeed_real_tokens", "Tokens of the rollouts in assembled steps."
+        )
+        self.computed_positions = counter(
+            "rlfeed_computed_positions",
+            "Token positions the packed microbatches of assembled steps compute.",
+        )
+        self.padded_positions = counter(
+            "rlfeed_padded_alternative_positions",
+            "Token positions the padded alternative would compute for assembled steps.",
+        )
+        self.microbatches = counter(
+            "rlfeed_microbatches", "Microbatches in assembled steps, all ranks."
+        )
         self.budget_tokens = counter(
-            "rlfeed_microbatch_budget_tokens", "Microbatches x token budget (fill denominator)."
+            "rlfeed_microbatch_budget_tokens",
+            "Microbatches x token budget in assembled steps, in tokens (fill denominator).",
         )
         # Curriculum.
-        self.groups = counter("rlfeed_groups", "Groups considered for steps.")
+        self.groups = counter("rlfeed_groups", "Rollout groups considered for steps.")
         self.zero_groups = counter(
             "rlfeed_zero_advantage_groups", "Groups with all-equal rewards (no gradient)."
         )
         self.step_zero_share = gauge(
-            "rlfeed_step_zero_advantage_groups_ratio", "Zero-advantage group share, newest step."
+            "rlfeed_step_zero_advantage_groups_ratio",
+            "Share of the newest step's groups with zero advantage.",
         )
         self.window_zero_share = gauge(
             "rlfeed_zero_advantage_groups_window_ratio",
             "Zero-advantage group share over the trailing window of steps.",
         )
-        gauge("rlfeed_zero_advantage_window_steps", "Steps in that window.").set(
-            zero_advantage_window_steps
+        gauge(
+            "rlfeed_zero_advantage_window_steps",
+            "Steps in the trailing window of rlfeed_zero_advantage_groups_window_ratio.",
+        ).set(zero_advantage_window_steps)
+        self.tasks = gauge(
+            "rlfeed_curriculum_tasks",
+            "Registered tasks, inside and outside the pass-rate filter.",
+            ("filter",),
         )
-        self.tasks = gauge("rlfeed_curriculum_tasks", "Tasks by pass-rate filter.", ("filter",))
         for side in ("inside", "outside"):
             self.tasks.labels(filter=side)
-        self.sample_requests = counter("rlfeed_curriculum_sample_requests", "SampleTasks calls.")
-        self.tasks_requested = counter("rlfeed_curriculum_tasks_requested", "Sum of n asked.")
+        self.sample_requests = counter(
+            "rlfeed_curriculum_sample_requests", "SampleTasks calls the curriculum answered."
+        )
+        self.tasks_requested = counter(
+            "rlfeed_curriculum_tasks_requested", "Tasks asked for by SampleTasks calls (sum of n)."
+        )
         self.tasks_sampled = counter(
             "rlfeed_curriculum_tasks_sampled", "Tasks returned, revisits included."
         )
@@ -238,16 +317,21 @@ class MetricFamilies:
         # Cost.
         phase = ("phase",)
         self.step_gpu_seconds = gauge(
-            "rlfeed_step_predicted_gpu_seconds", "Predicted GPU-seconds, newest step.", phase
+            "rlfeed_step_predicted_gpu_seconds",
+            "Predicted GPU-seconds of the newest step, by phase.",
+            phase,
         )
         self.gpu_seconds = counter(
-            "rlfeed_predicted_gpu_seconds", "Predicted GPU-seconds of all steps.", phase
+            "rlfeed_predicted_gpu_seconds",
+            "Predicted GPU-seconds of all assembled steps, by phase.",
+            phase,
         )
         for value in PHASES:
             self.step_gpu_seconds.labels(phase=value)
             self.gpu_seconds.labels(phase=value)
         self.padding_gpu_seconds = counter(
-            "rlfeed_padding_gpu_seconds", "Predicted GPU-seconds spent on padding."
+            "rlfeed_padding_gpu_seconds",
+            "Predicted GPU-seconds the packed plans spend computing padding.",
         )
         self.lockstep_idle_gpu_seconds = counter(
             "rlfeed_lockstep_idle_gpu_seconds",
@@ -259,38 +343,54 @@ class MetricFamilies:
             "Predicted GPU-seconds the padded alternative would spend on padding beyond the plan.",
         )
         self.step_avoided_gpu_seconds = gauge(
-            "rlfeed_step_padding_avoided_gpu_seconds", "The same, newest step."
+            "rlfeed_step_padding_avoided_gpu_seconds",
+            "Predicted GPU-seconds of padding the newest step's plan avoids against the padded "
+            "alternative.",
         )
         # Trainers (rank is bounded by world_size).
         rank = ("rank",)
-        self.trainer_reports = counter("rlfeed_trainer_reports", "Trainer reports received.")
-        self.trainer_loss = gauge("rlfeed_trainer_loss", "Latest reported loss.", rank)
+        self.trainer_reports = counter(
+            "rlfeed_trainer_reports", "Trainer reports received, all ranks."
+        )
+        self.trainer_loss = gauge(
+            "rlfeed_trainer_loss", "Loss of the rank's latest report (unitless).", rank
+        )
         self.trainer_outliers = gauge(
             "rlfeed_trainer_ratio_outlier_ratio",
             "Share of policy tokens whose step-0 trainer/sampler ratio left the trust band.",
             rank,
         )
         self.trainer_tps = gauge(
-            "rlfeed_trainer_tokens_per_second", "Reported positions per second.", rank
+            "rlfeed_trainer_tokens_per_second",
+            "Token positions per second the rank reported for its latest step.",
+            rank,
         )
         self.trainer_step_seconds = gauge(
-            "rlfeed_trainer_step_seconds", "Reported wall time of the rank's step.", rank
+            "rlfeed_trainer_step_seconds",
+            "Wall-clock seconds of the rank's latest step, as it reported.",
+            rank,
         )
-        self.trainer_step = gauge("rlfeed_trainer_step", "Step of the latest report.", rank)
+        self.trainer_step = gauge(
+            "rlfeed_trainer_step", "Step number of the rank's latest report.", rank
+        )
         # Health.
         self.step_latency = Histogram(
             "rlfeed_step_latency_seconds",
-            "From a step's last group completing to its last rank fetching it.",
+            "Seconds from a step's last group completing to its last rank fetching it.",
             buckets=STEP_LATENCY_BUCKETS,
             registry=r,
         )
         self.steps_served = counter("rlfeed_steps_served", "Steps fetched by every rank.")
-        self.batch_fetches = counter("rlfeed_batch_fetches", "First fetches of (step, rank).")
+        self.batch_fetches = counter(
+            "rlfeed_batch_fetches", "First fetches of a (step, rank) microbatch list."
+        )
         self.batch_refetches = counter(
-            "rlfeed_batch_refetches", "Repeated fetches of a (step, rank) (trainer restarts)."
+            "rlfeed_batch_refetches",
+            "Repeated fetches of a (step, rank) microbatch list (trainer restarts).",
         )
         self.trainer_lag = gauge(
-            "rlfeed_trainer_lag_steps", "Newest assembled step - slowest rank's fetched step."
+            "rlfeed_trainer_lag_steps",
+            "Steps between the newest assembled step and the slowest rank's newest fetch.",
         )
         self.steps_waiting = gauge(
             "rlfeed_steps_waiting", "Assembled steps not yet fetched by every rank."

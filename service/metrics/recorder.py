@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
 from rlfeed.sched.assembly import share
-from rlfeed.service.config import AccountingConfig, BatchingConfig
+from rlfeed.service.config import AccountingConfig, BatchingConfig, RolloutsConfig
+from rlfeed.service.errors import RejectReason
 from rlfeed.service.metrics.families import (
     PASS_RATE_BUCKETS,
     PHASES,
@@ -49,6 +51,7 @@ class MetricsConfig:
     accounting: AccountingConfig = field(default_factory=AccountingConfig)  # step pricing
     world_size: int = BatchingConfig.world_size  # trainer ranks; bounds the `rank` label
     token_budget: int = BatchingConfig.token_budget  # tokens per microbatch (fill, layout)
+    vocab_size: int = RolloutsConfig.vocab_size  # [rollouts] vocab_size; 0 = ids unchecked
     zero_advantage_window_steps: int = 20  # trailing window of the zero-advantage share; 20
     max_tracked_steps: int = 4096  # steps remembered for served/lag bookkeeping; 4096
     refresh_interval_s: float = 0.5  # least time between two refresh() calls; default 0.5
@@ -62,11 +65,13 @@ class MetricsConfig:
 
     @classmethod
     def from_sidecar_config(cls, config: SidecarConfig) -> MetricsConfig:
-        """The run's [accounting] section, and [batching] world_size and token_budget."""
+        """The run's [accounting] section, [batching] world_size and token_budget, and
+        [rollouts] vocab_size."""
         return cls(
             accounting=config.accounting,
             world_size=config.batching.world_size,
             token_budget=config.batching.token_budget,
+            vocab_size=config.rollouts.vocab_size,
         )
 
 
@@ -74,6 +79,23 @@ def pass_rate_bucket_counts(pass_rates: ArrayLike) -> np.ndarray:
     """int64 [len(PASS_RATE_BUCKETS)]: tasks whose estimate is <= each bucket bound."""
     rates = np.sort(np.asarray(pass_rates, dtype=np.float64).ravel())
     return np.searchsorted(rates, PASS_RATE_BUCKETS, side="right").astype(np.int64)
+
+
+class _WithoutCreated:
+    """What /metrics serves of a registry: every family without its `*_created` samples.
+    They are a second series per counter and histogram child (with labels, many), that no
+    dashboard or alert reads: `process_start_time_seconds` dates the counters' starts. This
+    filters one registry instead of calling prometheus_client's `disable_created_metrics()`,
+    which switches them off for every registry of the process."""
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield kept
 
 
 class SidecarMetrics:
@@ -85,6 +107,7 @@ class SidecarMetrics:
             self.config.accounting, self.config.zero_advantage_window_steps
         )
         self.registry = self.families.registry
+        self.families.vocab_size.set(self.config.vocab_size)
         self._lock = threading.Lock()
         self._zero_window: deque[tuple[int, int]] = deque(
             maxlen=self.config.zero_advantage_window_steps
@@ -137,7 +160,11 @@ class SidecarMetrics:
             m.newest_policy_version.set(newest_policy_version)
 
     def on_reject(self, reason: str, rollouts: int, tokens: int = 0) -> None:
-        """One rejected batch; a `reason` outside REJECT_REASONS counts as "other"."""
+        """One refused batch. A full buffer ("buffer_full") is backpressure, counted apart
+        from the rejections; another `reason` outside REJECT_REASONS counts as "other"."""
+        if reason == RejectReason.BUFFER_FULL.value:
+            self.families.batches_backpressured.inc()
+            return
         reason = reason if reason in REJECT_REASONS else "other"
         self.families.batches_rejected.labels(reason=reason).inc()
         self.families.rollouts_rejected.labels(reason=reason).inc(rollouts)
@@ -346,7 +373,7 @@ class SidecarMetrics:
                 refresh()
             except Exception:  # a slow or failed pull must not break the scrape
                 log.exception("metrics refresh failed")
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
 
     def latest_layout_png(self) -> tuple[int, bytes] | None:
         """(step, PNG) of the newest step with a layout, rendered on first request and

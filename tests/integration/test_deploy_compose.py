@@ -69,6 +69,16 @@ def _one(instruction: str) -> str:
     return arguments
 
 
+def _published(service: dict) -> list[tuple[str, int, int]]:
+    """(host address, host port, container port) of each of the service's published ports,
+    from compose's short syntax "[HOST_IP:]HOST_PORT:CONTAINER_PORT"."""
+    published = []
+    for entry in service.get("ports", []):
+        *address, host_port, container_port = str(entry).split(":")
+        published.append((address[0] if address else "", int(host_port), int(container_port)))
+    return published
+
+
 def _compose_config():
     return load_config(_bind_mounts(_service("rlfeed"))["/etc/rlfeed/rlfeed.toml"])
 
@@ -93,9 +103,36 @@ def test_the_compose_sidecar_command_parses_and_its_paths_are_mounted() -> None:
 
 def test_the_compose_config_binds_every_interface_and_the_published_ports() -> None:
     server = _compose_config().server
+    # Every interface of the container: what docker publishes reaches the sidecar.
     assert server.host == "0.0.0.0" and server.metrics_host == "0.0.0.0"
-    published = {int(p.split(":")[1]) for p in _service("rlfeed")["ports"]}
+    published = {container for _, _, container in _published(_service("rlfeed"))}
     assert published == {server.port, server.metrics_port}
+
+
+def test_every_published_port_is_bound_to_the_hosts_loopback_only() -> None:
+    """gRPC without TLS or tokens, /metrics, Prometheus and Grafana: none is reachable from
+    another machine until someone decides so (the file's header says how, safely)."""
+    services = _compose()["services"]
+    ports = [(name, *port) for name, svc in services.items() for port in _published(svc)]
+    assert {name for name, *_ in ports} == {"rlfeed", "prometheus", "grafana"}
+    for name, address, host_port, container_port in ports:
+        assert address == "127.0.0.1", f"{name} publishes {host_port} on {address or 'all'}"
+        assert host_port == container_port  # localhost:PORT as the README and comments say
+    header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
+    assert "TLS" in header and "tokens" in header and '"50051:50051"' in header
+
+
+def test_grafana_has_no_default_admin_password() -> None:
+    """Compose refuses to start without GRAFANA_ADMIN_PASSWORD (`${VAR:?message}`): no
+    admin/admin, not even on loopback."""
+    environment = _service("grafana")["environment"]
+    password = environment["GF_SECURITY_ADMIN_PASSWORD"]
+    match = re.fullmatch(r"\$\{(\w+):\?([^}]+)\}", password)
+    assert match, password
+    assert match.group(1) == "GRAFANA_ADMIN_PASSWORD" and match.group(1) in match.group(2)
+    assert environment["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert "admin" not in environment.values()
+    assert f"export {match.group(1)}=" in COMPOSE_FILE.read_text()  # the header says so
 
 
 def test_the_healthcheck_asks_the_grpc_health_service_of_the_sidecar() -> None:
@@ -103,7 +140,9 @@ def test_the_healthcheck_asks_the_grpc_health_service_of_the_sidecar() -> None:
     test = rlfeed["healthcheck"]["test"]
     assert test[0] == "CMD"
     args = _parsed(test[1:])
-    assert args.command == "status"  # grpc.health.v1; exits 0 only while SERVING
+    # grpc.health.v1 only: open without a token once [security] tokens are on (`rlfeed
+    # status` is not); exits 0 only while SERVING (tests/integration/test_cli_health.py).
+    assert args.command == "health"
     assert args.address == f"127.0.0.1:{_compose_config().server.port}"
     assert args.timeout < float(rlfeed["healthcheck"]["timeout"].removesuffix("s"))
     # A stop asked for is exit status 0 for rlfeed serve: on-failure restarts crashes only.
@@ -221,8 +260,17 @@ def test_grafana_gets_the_repositorys_provisioning_and_its_datasource_is_the_com
     environment = grafana["environment"]
     assert variables <= set(environment)
     url = re.sub(r"\$\{?(\w+)\}?", lambda m: environment[m.group(1)], source["url"])
-    prometheus_port = int(_service("prometheus")["ports"][0].split(":")[1])
+    ((_, _, prometheus_port),) = _published(_service("prometheus"))
     assert url == f"http://prometheus:{prometheus_port}"
     # The single `docker run` of deploy/grafana/README.md sets them too.
     readme = (DEPLOY / "grafana/README.md").read_text()
     assert all(f"-e {name}=" in readme for name in variables)
+
+
+def test_the_images_journal_folder_is_owned_by_ray_and_private() -> None:
+    """The named volume starts as a copy of it: the journal (training data) is 0700, as the
+    folders rlfeed creates are (service/journal/files.py)."""
+    (run,) = [a for i, a in _instructions() if i == "RUN" and "/journal" in a]
+    steps = [step.strip() for step in run.split("&&")]
+    assert "chown ray:users /journal" in steps and "chmod 0700 /journal" in steps
+    assert _parsed(shlex.split(_service("rlfeed")["command"])).journal_dir == "/journal"

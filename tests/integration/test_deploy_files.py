@@ -23,6 +23,7 @@ from rlfeed.service.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFEST = DEPLOY / "ray" / "raycluster.yaml"
+POD_MONITOR = DEPLOY / "prometheus" / "podmonitor.yaml"
 PVC = DEPLOY / "ray" / "journal-pvc.yaml"
 KUBERNETES_SCRAPE = DEPLOY / "prometheus" / "kubernetes.yml"
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
@@ -49,6 +50,17 @@ def _frontends_group() -> dict:
 def _worker_container() -> dict:
     (container,) = _frontends_group()["template"]["spec"]["containers"]
     return container
+
+
+def _security_sync_container() -> dict:
+    (container,) = _frontends_group()["template"]["spec"]["initContainers"]
+    return container
+
+
+def _kubernetes_expanded(text: str) -> str:
+    """What the kubelet passes for a command or args entry: `$(VAR)` references aside
+    (none here), `$$` becomes `$`."""
+    return text.replace("$$", "$")
 
 
 def _all_containers() -> list[dict]:
@@ -221,9 +233,53 @@ def test_security_files_are_mounted_wherever_a_frontend_runs(tmp_path) -> None:
     security = load_config(config_file).security
     paths = [security.tls_cert, security.tls_key, security.auth_token_file]
     assert all(paths)
-    for container in _all_containers():
-        secret_dir = Path(_mounts(container)["security"])
-        assert all(Path(path).parent == secret_dir for path in paths), container["name"]
+    for container in [*_all_containers(), _security_sync_container()]:
+        private_dir = Path(_mounts(container)["security-private"])
+        assert all(Path(path).parent == private_dir for path in paths), container["name"]
+        assert _mounts(container)["security"] != str(private_dir)
+
+
+def _pod_volumes() -> list[dict[str, dict]]:
+    pods = [_cluster()["spec"]["headGroupSpec"], _frontends_group()]
+    return [{v["name"]: v for v in pod["template"]["spec"]["volumes"]} for pod in pods]
+
+
+def test_the_secret_is_0400_and_rlfeed_reads_0600_copies_in_memory():
+    """defaultMode 0400 alone is not enough: under the pods' fsGroup the kubelet adds group
+    read (kubernetes/kubernetes#57923), so [security] reads copies the script makes."""
+    for volumes in _pod_volumes():
+        secret = volumes["security"]["secret"]
+        assert secret["secretName"] == "rlfeed-security" and secret["optional"] is True
+        assert secret["defaultMode"] == 0o400
+        assert volumes["security-private"]["emptyDir"] == {"medium": "Memory"}
+    script = _documents()["ConfigMap"]["data"]["sync-security.sh"]
+    assert "install -m 0600" in script
+    for container in [*_all_containers(), _security_sync_container()]:
+        mounts = _mounts(container)
+        assert mounts["security"] == "/etc/rlfeed/security"
+        assert mounts["security-private"] == "/etc/rlfeed/private"
+        assert mounts["rlfeed-config"] == "/etc/rlfeed/config"  # where the script lies
+
+
+def test_the_head_watches_the_secret_and_signals_rlfeed_serve_itself():
+    """The watcher gets the shell's PID, which `exec` hands to rlfeed serve: the SIGHUP
+    that rotates tokens (and which rlfeed serve passes on to every front-end actor)."""
+    script = _kubernetes_expanded(_head_containers()["rlfeed"]["args"][0])
+    once = script.index("sync-security.sh once || exit 1;")
+    watch = script.index("sync-security.sh watch $$ &")
+    assert once < watch < script.index("exec rlfeed serve")
+
+
+def test_each_frontend_pod_runs_the_sync_as_a_native_sidecar_before_ray():
+    sync = _security_sync_container()
+    assert sync["restartPolicy"] == "Always"  # a sidecar: runs beside the Ray container
+    assert sync["image"] == _worker_container()["image"]
+    assert sync["command"] == ["bash", "/etc/rlfeed/config/sync-security.sh", "watch"]
+    # Started (so the Ray container and its front-end start) only once the copies exist.
+    probe = sync["startupProbe"]["exec"]["command"]
+    assert probe == ["test", "-e", "/etc/rlfeed/private/.synced"]
+    script = _documents()["ConfigMap"]["data"]["sync-security.sh"]
+    assert 'touch "$dst/.synced"' in script
 
 
 # ------------------------------------------------------------------ the Service
@@ -244,7 +300,13 @@ def test_the_headless_service_selects_the_frontend_pods_on_the_grpc_port(tmp_pat
     for name, expected in ports.items():
         target = service_ports[name]["targetPort"]
         assert ports.get(target, target) == expected and service_ports[name]["port"] == expected
-    assert container["readinessProbe"]["grpc"]["port"] == config.server.port
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe[0] == "rlfeed"
+    args = build_parser().parse_args(probe[1:])
+    # grpc.health.v1 only: no token needed with [security] tokens on, TLS through RLFEED_TLS_*.
+    assert args.command == "health"
+    assert args.address == f"127.0.0.1:{config.server.port}"
+    assert args.timeout < container["readinessProbe"]["timeoutSeconds"]
 
 
 def test_every_container_shares_the_image_ray_version_and_the_cluster_token() -> None:
@@ -319,3 +381,26 @@ def test_the_kubernetes_job_scrapes_exactly_each_frontends_metrics_port(tmp_path
     assert target["__address__"].endswith(f":{config.server.metrics_port}")
     assert target["pod"] == f"{_cluster()['metadata']['name']}-frontends-1"
     assert target["node"] == "node-1" and target["namespace"] == "rl"
+
+
+# ------------------------------------------------------------------ prometheus-operator
+
+
+def test_the_pod_monitor_scrapes_exactly_each_frontends_metrics_port(tmp_path) -> None:
+    _, _, config = _resolved_serve(tmp_path)
+    (monitor,) = yaml.safe_load_all(POD_MONITOR.read_text())
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["kind"] == "PodMonitor"
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    assert selector <= _pod_labels("frontends", "worker").items()
+    assert not selector <= _pod_labels("headgroup", "head").items()
+    assert not selector <= _pod_labels("other-workers", "worker").items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = {port["name"]: port["containerPort"] for port in _worker_container()["ports"]}
+    assert ports[endpoint["port"]] == config.server.metrics_port
+    assert endpoint["path"] == "/metrics"
+    # The same extra labels as the plain Prometheus job of kubernetes.yml.
+    (job,) = yaml.safe_load(KUBERNETES_SCRAPE.read_text())["scrape_configs"]
+    extra = {r["target_label"] for r in job["relabel_configs"] if "target_label" in r}
+    added = {r["targetLabel"] for r in endpoint["relabelings"]}
+    assert added == extra - {"namespace", "pod"}  # the operator adds those two itself

@@ -45,7 +45,18 @@ DASHBOARD = ROOT / "deploy/grafana/dashboards/rlfeed.json"
 PROVISIONING = ROOT / "deploy/grafana/provisioning"
 # What Grafana's built-in interval variables become in the test's instant queries: the
 # rate interval Grafana picks for the shipped 5 s scrape interval (4 x 5 s).
-GRAFANA_VARIABLES = {"$__rate_interval": "20s", "$__interval": "1s", "$__range": "1m"}
+# The job and instance variables as the test's Prometheus has them: its one job, and "All"
+# front-ends (the variable's allValue).
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "20s",
+    "$__interval": "1s",
+    "$__range": "1m",
+    "$job": "rlfeed",
+    "$instance": ".+",
+}
+# What every metric selector of the dashboard carries: one run (job), the chosen front-ends.
+SCOPE = 'job="$job",instance=~"$instance"'
+
 # Three steps: the fleet submits the last step's groups only after the trainers report the
 # first, so ingest, serving and trainer reports are all inside the last rate interval.
 DEMO_STEPS = 3
@@ -60,16 +71,22 @@ def dashboard_panels(dashboard: dict) -> list[dict]:
     return panels
 
 
-def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
+def dashboard_queries(dashboard: dict, *, substituted: bool = True) -> list[tuple[str, str]]:
     """(panel title, expression) of every target, Grafana variables substituted."""
     queries = []
     for panel in dashboard_panels(dashboard):
         for target in panel.get("targets", []):
             expr = target["expr"]
-            for name, value in GRAFANA_VARIABLES.items():
+            for name, value in GRAFANA_VARIABLES.items() if substituted else ():
                 expr = expr.replace(name, value)
             queries.append((panel["title"], expr))
     return queries
+
+
+def _substituted(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
 
 
 def load_dashboard() -> dict:
@@ -93,6 +110,36 @@ def test_dashboard_uses_the_datasource_variable_and_has_the_issues_rows():
     for topic in ("ingest", "batching", "curriculum", "cost", "trainers"):
         assert topic in rows
     assert all("$" not in expr for _, expr in dashboard_queries(dashboard))
+
+
+def test_every_query_is_scoped_to_the_chosen_job_and_front_ends():
+    """Two runs scraped by one Prometheus are never summed: `job` picks one run (a single
+    value, no "All"), `instance` its front-ends (All by default, summed as one sidecar)."""
+    dashboard = load_dashboard()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    job, instance = variables["job"], variables["instance"]
+    assert job["type"] == instance["type"] == "query"
+    assert not job["multi"] and not job["includeAll"]
+    assert job["query"] == "label_values(rlfeed_build_info, job)"
+    assert instance["query"] == 'label_values(rlfeed_build_info{job="$job"}, instance)'
+    assert instance["includeAll"] and instance["allValue"] == GRAFANA_VARIABLES["$instance"]
+    for variable in (job, instance):
+        assert variable["datasource"]["uid"] == "${DS_PROMETHEUS}"
+    queries = dashboard_queries(dashboard, substituted=False)
+    assert len(queries) > 50
+    for title, expr in queries:
+        selectors = re.findall(r"\brlfeed_\w+(\{[^}]*\})?", expr)
+        assert selectors, f"panel {title!r} queries no rlfeed metric: {expr}"
+        for selector in selectors:
+            assert selector.endswith(SCOPE + "}"), f"panel {title!r}: {expr}"
+
+
+def test_rates_of_counts_are_in_counts_per_second_not_requests():
+    for panel in dashboard_panels(load_dashboard()):
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        assert unit != "reqps", panel["title"]
+        if panel["title"] in ("Rollouts per second", "Tasks sampled per second"):
+            assert unit == "cps", panel["title"]
 
 
 def test_every_metric_the_dashboard_queries_is_exported():
@@ -255,7 +302,9 @@ def scalar(prometheus: str, expr: str, at: float) -> float:
     return float(sample["value"][1])
 
 
-NEWEST_STEP_ONLY = "and on(instance) (rlfeed_step == scalar(max(rlfeed_step)))"
+NEWEST_STEP_ONLY = _substituted(
+    f"and on(instance) (rlfeed_step{{{SCOPE}}} == scalar(max(rlfeed_step{{{SCOPE}}})))"
+)
 
 
 def test_per_step_panels_draw_the_newest_step_as_one_series_across_front_ends(tmp_path):
@@ -273,7 +322,7 @@ def test_per_step_panels_draw_the_newest_step_as_one_series_across_front_ends(tm
     assert len(per_step) >= 10
     for title, expr in per_step:
         assert NEWEST_STEP_ONLY in expr, f"panel {title!r}: {expr}"
-    real_tokens = next(e for _, e in per_step if "rlfeed_step_real_tokens " in e)
+    real_tokens = next(e for _, e in per_step if "rlfeed_step_real_tokens{" in e)
     first, second = (SidecarMetrics(MetricsConfig(world_size=2)) for _ in range(2))
     first.on_step(step_record(step=6, real_tokens=300))
     second.on_step(step_record(step=7, real_tokens=350))

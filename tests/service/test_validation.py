@@ -3,15 +3,18 @@ whether the front-end's validation or the scheduler (unknown tasks) finds it."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
-from rlfeed.service.errors import InvalidBatchError
+from rlfeed.service.errors import InvalidBatchError, RejectReason
 from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
-from rlfeed.service.frontend.validation import validate_rollout_batch
+from rlfeed.service.frontend.ingest import RolloutIngest, batch_meta
+from rlfeed.service.frontend.validation import LOGPROB_TOLERANCE, validate_rollout_batch
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
 
@@ -76,6 +79,8 @@ BROKEN = {
     "infinite reward": (lambda r: r.rewards.__setitem__(4, float("inf")), "reward"),
     "NaN log-prob": (_set_token("sampler_logprobs", np.nan), "sampler_logprobs"),
     "-inf log-prob": (_set_token("sampler_logprobs", -np.inf), "sampler_logprobs"),
+    "log-prob +3.0": (_set_token("sampler_logprobs", 3.0), "sampler_logprobs"),
+    "log-prob just above 0": (_set_token("sampler_logprobs", 1e-5), "sampler_logprobs"),
     "token id = vocab size": (_set_token("token_ids", VOCAB), "token_ids"),
     "negative token id": (_set_token("token_ids", -1), "token_ids"),
     "mask value 2": (_set_token("action_mask", 2), "action_mask"),
@@ -103,6 +108,31 @@ def test_a_sequence_exactly_at_the_budget_is_fine() -> None:
     _validate(rollouts)
 
 
+def test_a_positive_log_prob_is_refused_naming_rollout_field_and_token() -> None:
+    rollouts = _rollouts()
+    logprobs = rollouts.sampler_logprobs[4].copy()
+    logprobs[2] = 3.0
+    rollouts.sampler_logprobs[4] = logprobs
+    with pytest.raises(InvalidBatchError) as error:
+        _validate(rollouts)
+    assert str(error.value) == (
+        f"rollout '{rollouts.rollout_ids[4]}': field sampler_logprobs: 3.0 at token 2 is "
+        "above 0; a log-probability is <= 0 (tolerance 1e-06)"
+    )
+    assert error.value.reason is RejectReason.POSITIVE_LOGPROB
+
+
+def test_log_probs_of_zero_and_float_rounding_above_it_are_accepted() -> None:
+    """A certain token's log-prob is 0, and float32 arithmetic may land a few ulps above."""
+    rollouts = _rollouts()
+    for row in range(len(rollouts.sampler_logprobs)):
+        logprobs = rollouts.sampler_logprobs[row].copy()
+        logprobs[-1] = 0.0
+        logprobs[0] = np.float32(LOGPROB_TOLERANCE * 0.5)
+        rollouts.sampler_logprobs[row] = logprobs
+    _validate(rollouts)
+
+
 def test_the_first_offending_rollout_is_reported() -> None:
     rollouts = _rollouts()
     rollouts.rewards[2] = float("nan")
@@ -115,3 +145,20 @@ def test_the_first_offending_rollout_is_reported() -> None:
 @given(seed=st.integers(0, 2**31))
 def test_well_formed_batches_pass(seed: int) -> None:
     _validate(_rollouts(seed))
+
+
+@pytest.mark.parametrize("vocab_size", [0, VOCAB])
+def test_a_front_end_warns_at_start_up_when_token_ids_are_unchecked(vocab_size, caplog) -> None:
+    """vocab_size 0 (the default: rlfeed cannot know the tokenizer) lets any id >= 0 through;
+    each front-end says so once, naming the setting, when its ingest handler is built."""
+    config = SidecarConfig(rollouts=RolloutsConfig(vocab_size=vocab_size))
+    frontend = SimpleNamespace(config=config, scheduler=SimpleNamespace(ingest=None))
+    with caplog.at_level(logging.WARNING, logger="rlfeed.service.frontend.ingest"):
+        RolloutIngest(frontend, assembler=None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if vocab_size:
+        assert warnings == []
+    else:
+        (warning,) = warnings
+        assert warning.startswith("rlfeed: [rollouts] vocab_size = 0: token ids are only checked")
+        assert "set it to the tokenizer's vocabulary size" in warning
