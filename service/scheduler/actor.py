@@ -311,8 +311,9 @@ class SchedulerActor:
         try:
             result = self._scheduler.ingest_batch(meta, payload)
         except (InvalidBatchError, BackpressureError) as exc:
-            self._scheduler.record_rejection()
             invalid = isinstance(exc, InvalidBatchError)
+            if invalid:  # a full buffer is backpressure, not a rejected batch
+                self._scheduler.record_rejection()
             kind = IngestKind.INVALID if invalid else IngestKind.BACKPRESSURE
             return IngestReply(kind=kind, result=None, message=str(exc), reason=exc.reason)
         work = self._scheduler.plan_ready_steps() if result.steps_ready else []

@@ -481,7 +481,9 @@ class Scheduler:
         return self._rounds.ready_despite(dropped=new, dropped_complete=complete)
 
     def record_rejection(self) -> None:
-        """Count a batch the front-end rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+        """Count a batch rejected as invalid (INVALID_ARGUMENT). A full buffer's refusal
+        (RESOURCE_EXHAUSTED) is healthy backpressure, counted by the metrics apart, so an
+        alert on rejections does not fire on it."""
         self.counters.batches_rejected += 1
 
     def _group(self, group_id: str) -> _Group | None:

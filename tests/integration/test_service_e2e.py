@@ -291,6 +291,7 @@ def test_a_full_buffer_answers_resource_exhausted_until_ranks_fetch(
         client.submit(rollouts, range(8, 12))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_buffered_rollouts" in error.value.details()
+    assert client.get_status().counters.batches_rejected == 0  # backpressure, not rejection
     client.step_bytes(0, 1)
     assert client.submit(rollouts, range(8, 16)).accepted == 8
 
