@@ -379,12 +379,8 @@ class BatchLoader:
         retried like a fetch (a report replaces the rank's previous one).
         ratio_outlier_share None or NaN: not measured this step (sent unset). The sidecar
         refuses other non-finite values (InvalidRequestError naming the field).
-
-        policy_version: the version the weights have after this step's optimizer update
-        (the one producers sample with once they load them). The sidecar then measures
-        max_policy_lag from max(it, newest version in a rollout): rollouts and buffered
-        groups further behind are dropped as stale, even if every producer lags. One rank
-        publishing is enough; the highest published counts. None: not published."""
+        policy_version: of the weights after this step's update; max_policy_lag then counts
+        from it too (README "Policy versions"). One rank is enough; None: not published."""
         report = pb.TrainerReport(
             step=step,
             rank=self.rank,
