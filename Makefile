@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup system-deps demo test lint bench clean
+.PHONY: setup system-deps demo test lint bench gencode clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[all,test]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -44,6 +44,14 @@ test: setup system-deps lint
 bench: setup
 	@set -e; for script in tests/bench/bench_*.py; do \
 	  echo "== $$script"; $(BIN)/python $$script; done
+
+# The committed gencode (proto/*_pb2*.py) comes from one old grpcio-tools, in a venv of its
+# own (it needs protobuf < 5): see GRPCIO_TOOLS_VERSION in proto/generate.py for why.
+GRPCIO_TOOLS := $(shell sed -n 's/^GRPCIO_TOOLS_VERSION = "\(.*\)"/\1/p' proto/generate.py)
+gencode:
+	$(PYTHON) -m venv $(VENV)/gencode
+	$(VENV)/gencode/bin/python -m pip install --quiet --only-binary=:all: "grpcio-tools==$(GRPCIO_TOOLS)"
+	$(VENV)/gencode/bin/python proto/generate.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

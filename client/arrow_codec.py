@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, ROLLOUT_SCHEMA, TOKEN_BYTES
+from rlfeed.proto.arrow_schemas import (
+    MICROBATCH_SCHEMA,
+    ROLLOUT_SCHEMA,
+    TOKEN_BYTES,
+    numpy_dtype,
+)
 from rlfeed.proto.ipc_framing import ipc_stream_pieces, microbatch_framing, swap_placeholder_bodies
 from rlfeed.proto.wire import encode_varint, length_delimited, split_field
 
@@ -218,7 +223,7 @@ class MicrobatchTensors:
 
 
 MICROBATCH_COLUMNS = {field.name: field.type for field in MICROBATCH_SCHEMA}
-_MICROBATCH_DTYPES = [np.dtype(field.type.to_pandas_dtype()) for field in MICROBATCH_SCHEMA]
+_MICROBATCH_DTYPES = [numpy_dtype(field.type) for field in MICROBATCH_SCHEMA]
 
 
 def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str, torch.Tensor]:
@@ -227,7 +232,7 @@ def _column_tensors(arrow_ipc: bytes | memoryview, num_tokens: int) -> dict[str,
 
     if num_tokens == 0 and not arrow_ipc:
         return {
-            name: torch.from_numpy(np.zeros(0, dtype=dtype.to_pandas_dtype()))
+            name: torch.from_numpy(np.zeros(0, dtype=numpy_dtype(dtype)))
             for name, dtype in MICROBATCH_COLUMNS.items()
         }
     framing = microbatch_framing() if num_tokens > 0 else None

@@ -373,11 +373,14 @@ class BatchLoader:
         ratio_outlier_share: float | None = None,
         tokens_per_second: float = 0.0,
         step_seconds: float = 0.0,
+        policy_version: int | None = None,
     ) -> None:
         """Send what this rank measured for `step` to the sidecar (becomes metrics);
         retried like a fetch (a report replaces the rank's previous one).
         ratio_outlier_share None or NaN: not measured this step (sent unset). The sidecar
-        refuses other non-finite values (InvalidRequestError naming the field)."""
+        refuses other non-finite values (InvalidRequestError naming the field).
+        policy_version: of the weights after this step's update; max_policy_lag then counts
+        from it too (README "Policy versions"). One rank is enough; None: not published."""
         report = pb.TrainerReport(
             step=step,
             rank=self.rank,
@@ -387,6 +390,10 @@ class BatchLoader:
         )
         if ratio_outlier_share is not None and not math.isnan(ratio_outlier_share):
             report.ratio_outlier_share = float(ratio_outlier_share)
+        if policy_version is not None:
+            if not 0 <= int(policy_version) < 2**63:
+                raise ValueError(f"report: policy_version {policy_version} is outside [0, 2^63)")
+            report.policy_version = int(policy_version)
         self._retry.call(lambda: self._transport.report(report))
 
     def close(self) -> None:

@@ -4,6 +4,7 @@
 server's codec and the batch loader all take them from here so the three cannot drift.
 """
 
+import numpy as np
 import pyarrow as pa
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -37,3 +38,9 @@ MICROBATCH_SCHEMA = pa.schema(
     ]
 )
 """`Microbatch.arrow_ipc`: one row per token of a packed row (next-token layout)."""
+
+
+def numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
+    """The numpy dtype of a fixed-width Arrow type. `DataType.to_pandas_dtype()` gives the
+    same, but pyarrow before 16 imports pandas for it, which a producer-only install lacks."""
+    return pa.array([], arrow_type).to_numpy(zero_copy_only=False).dtype

@@ -1,6 +1,8 @@
 """Regenerate the committed Python gencode from `proto/rlfeed.proto`.
 
-Run: `.venv/bin/python -m rlfeed.proto.generate` (needs grpcio-tools) from a source checkout.
+Run: `make gencode` from a source checkout: it runs this file with grpcio-tools
+GRPCIO_TOOLS_VERSION in a venv of its own (`.venv/gencode`), since that grpcio-tools needs a
+protobuf older than the project's .venv has. Any python with grpcio-tools can run it.
 Writes `rlfeed_pb2.py`, `rlfeed_pb2.pyi` and `rlfeed_pb2_grpc.py` next to this file, and
 only there if this file is in a source checkout (the repository's `pyproject.toml` beside
 `proto/`): an installed rlfeed's gencode is what its wheel shipped, and rewriting it in
@@ -17,10 +19,19 @@ checks that the committed files are up to date.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+# The oldest grpcio-tools with wheels for Python 3.11 (1.49.0 was yanked; 1.49.1 has wheels
+# for 3.7 to 3.11, so `make gencode` needs one of those). Its protoc writes .pyi stubs and
+# proto3 `optional`; its gencode carries no runtime version checks (those came with 1.63 /
+# protobuf 5.26): the message module needs protobuf >= 3.20 (`internal.builder`) and runs
+# unchanged on every protobuf since, 7.x included. A newer grpcio-tools would raise the
+# floors of a producer-only install to the versions that generated the code.
+GRPCIO_TOOLS_VERSION = "1.49.1"
 
 PROTO_DIR = Path(__file__).resolve().parent
 PROTO_NAME = "rlfeed.proto"
@@ -65,6 +76,14 @@ def is_source_checkout(proto_dir: Path = PROTO_DIR) -> bool:
     return pyproject.is_file() and 'name = "rlfeed"' in pyproject.read_text()
 
 
+def _tools_version() -> str | None:
+    """The installed grpcio-tools' version; None if there is none."""
+    try:
+        return importlib.metadata.version("grpcio-tools")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rlfeed.proto.generate",
@@ -84,10 +103,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    tools = _tools_version()
+    if args.out_dir is None and tools not in (None, GRPCIO_TOOLS_VERSION):
+        print(
+            f"{parser.prog}: the committed gencode is made with grpcio-tools=="
+            f"{GRPCIO_TOOLS_VERSION} (its runtime floors are rlfeed's), this is {tools}: "
+            "run `make gencode`, or pass --out-dir DIR",
+            file=sys.stderr,
+        )
+        return 1
     try:
         written = generate(args.out_dir or PROTO_DIR)
     except ImportError:
-        print(f"{parser.prog}: needs grpcio-tools: pip install grpcio-tools", file=sys.stderr)
+        print(
+            f"{parser.prog}: needs grpcio-tools: pip install grpcio-tools=={GRPCIO_TOOLS_VERSION}",
+            file=sys.stderr,
+        )
         return 1
     for path in written:
         print(f"wrote {path}")

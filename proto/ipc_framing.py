@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA
+from rlfeed.proto.arrow_schemas import MICROBATCH_SCHEMA, numpy_dtype
 
 _ALIGNMENT = 8  # Arrow IPC pads every body buffer to a multiple of 8 bytes
 _PADDING = tuple(bytes(n) for n in range(_ALIGNMENT))
@@ -126,7 +126,7 @@ class FixedWidthFraming:
 def _writer_framing(schema: pa.Schema, rows: int) -> tuple[bytes, bytes]:
     """(header, end of stream) of pyarrow's stream of one zero-filled batch of `rows` rows:
     the bytes before and after its body."""
-    arrays = [pa.array(np.zeros(rows, field.type.to_pandas_dtype())) for field in schema]
+    arrays = [pa.array(np.zeros(rows, numpy_dtype(field.type))) for field in schema]
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))

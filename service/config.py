@@ -126,14 +126,18 @@ class RolloutsConfig:
     )
     group_size: int = documented(8, "rollouts per group; a group is complete when all have arrived")
     max_policy_lag: int = documented(
-        4, "rollouts more than this many policy versions behind the newest seen are dropped"
+        4,
+        "rollouts more than this many policy versions behind the newest known are dropped as "
+        "stale; the newest known is the higher of the newest version in a rollout and the "
+        "version the trainer published (BatchLoader.report(policy_version=...))",
     )
     max_version_jump: int = documented(
         16,
         "a rollout whose policy_version is more than this many versions ahead of the newest "
-        "seen so far is rejected (INVALID_ARGUMENT), so one bogus version cannot make every "
-        "honest rollout stale; the baseline is initial_policy_version, or, if that is -1, "
-        "the first accepted rollout's version",
+        "known so far (in a rollout, or published by the trainer) is rejected "
+        "(INVALID_ARGUMENT), so one bogus version cannot make every honest rollout stale; "
+        "before any, the baseline is initial_policy_version, or, if that is -1, the first "
+        "accepted rollout's version",
     )
     initial_policy_version: int = documented(
         -1,

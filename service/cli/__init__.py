@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import signal
 import sys
 
@@ -26,6 +27,38 @@ COMMANDS: dict[str, str] = {
     "health": "one gRPC health check, no token needed (exit 0 while SERVING): for probes",
     "layout": "render the padded vs packed layout of a served step as a PNG",
 }
+
+
+# A module only an extra brings -> that extra: `pip install rlfeed` is the producer's core
+# (no Ray, no torch), so a command that needs more says which extra, in one line.
+EXTRA_OF_MODULE: dict[str, str] = {
+    **dict.fromkeys(
+        ("ray", "grpc_health", "grpc_reflection", "prometheus_client", "msgpack", "google_crc32c",
+         "tomli"),
+        "serve",
+    ),
+    "torch": "train",
+    "matplotlib": "plot",
+}  # fmt: skip
+EXTRA_OF_COMMAND: dict[str, str] = {"demo": "all"}  # it runs a sidecar and trainer ranks
+
+
+def _missing_extra(command: str, error: ModuleNotFoundError) -> str | None:
+    """The one line for a module an extra brings (naming every module of that extra this
+    install lacks), None for any other missing module."""
+    extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
+    if extra is None:
+        return None
+    missing = sorted(
+        name
+        for name, of in EXTRA_OF_MODULE.items()
+        if of == extra and name != "tomli" and importlib.util.find_spec(name) is None
+    )
+    extra = EXTRA_OF_COMMAND.get(command, extra)
+    return (
+        f"rlfeed {command}: this install lacks {', '.join(missing) or error.name}: "
+        f"pip install 'rlfeed[{extra}]'"
+    )
 
 
 def _command_module(name: str):
@@ -59,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         # `rlfeed plan --json | head` closed our stdout: not an error of ours.
         sys.stderr.close()
         return 0
+    except ModuleNotFoundError as exc:
+        message = _missing_extra(args.command, exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"rlfeed {args.command}: interrupted", file=sys.stderr)
         return EXIT_STATUS[signal.SIGINT]

@@ -80,7 +80,12 @@ def status_text(address: str, health: str, status) -> str:
         f"{_mib(status.max_buffered_bytes)} (batches buffered rollouts read, unfetched steps)",
         f"  tasks            {status.tasks_total}: {status.tasks_inside_filter} inside the "
         f"filter, {status.tasks_outside_filter} outside",
-        f"  policy version   newest {status.newest_policy_version}",
+        f"  policy version   newest in a rollout {status.newest_policy_version}, trainer "
+        + (
+            str(status.trainer_policy_version)
+            if status.HasField("trainer_policy_version")
+            else "none published"
+        ),
     ]
     if status.notes_refused:
         lines.append(

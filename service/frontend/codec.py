@@ -379,6 +379,8 @@ def status_to_proto(snapshot: StatusSnapshot, config: SidecarConfig) -> pb.Statu
             for rank, report in sorted(snapshot.last_reports.items())
         ],
     )
+    if snapshot.trainer_policy_version >= 0:
+        response.trainer_policy_version = snapshot.trainer_policy_version
     if snapshot.last_step is not None:
         response.last_step.CopyFrom(step_stats_to_proto(snapshot.last_step))
     response.front_end_list.extend(

@@ -58,7 +58,8 @@ def trainer_report_of(request: pb.TrainerReport) -> dict[str, float]:
     """The report's fields as the scheduler keeps them; ValueError naming the first
     field that is not finite or outside its range (a share in [0, 1], rates and
     durations >= 0): metrics and status show what ranks report, never NaN or nonsense.
-    An unset ratio_outlier_share (not measured) is kept as NaN, which status leaves unset."""
+    An unset ratio_outlier_share (not measured) is kept as NaN, which status leaves unset;
+    an unset policy_version (not published) is left out."""
     report: dict[str, float] = {"step": int(request.step)}
     for name, (low, high) in _REPORT_RANGES.items():
         if name == "ratio_outlier_share" and not request.HasField(name):
@@ -73,4 +74,14 @@ def trainer_report_of(request: pb.TrainerReport) -> dict[str, float]:
             report[name] = value
             continue
         raise ValueError(f"trainer report of rank {request.rank}: field {name}: {value} {problem}")
+    if request.HasField("policy_version"):
+        if request.policy_version > _INT64_MAX:
+            raise ValueError(
+                f"trainer report of rank {request.rank}: field policy_version: "
+                f"{request.policy_version} is over 2^63 - 1 (rollouts' versions are int64)"
+            )
+        report["policy_version"] = int(request.policy_version)
     return report
+
+
+_INT64_MAX = 2**63 - 1

@@ -169,6 +169,11 @@ class MetricFamilies:
             "Token ids must lie in [0, this) ([rollouts] vocab_size); 0 means they are not "
             "checked against a vocabulary.",
         )
+        self.trainer_policy_version = gauge(
+            "rlfeed_trainer_policy_version",
+            "Highest policy version a trainer published (0 until one does); "
+            "max_policy_lag counts from the higher of this and the newest in a rollout.",
+        )
         # Batching: gauges of the newest step, counters over all steps.
         self.step = gauge("rlfeed_step", "Number of the newest assembled step.")
         self.step_rollouts = gauge("rlfeed_step_rollouts", "Rollouts in the newest step.")

@@ -177,12 +177,15 @@ class SidecarMetrics:
 
     def on_status(self, snapshot: Any, pass_rates: ArrayLike | None = None) -> None:
         """Levels from a `service.scheduler.StatusSnapshot` (or a proto StatusResponse):
-        buffer, filter sizes, newest policy version; `pass_rates` [T] if known."""
+        buffer, filter sizes, newest and trainer's policy versions; `pass_rates` [T] if
+        known."""
         m = self.families
         m.buffered_rollouts.set(snapshot.buffered_rollouts)
         m.buffered_bytes.set(snapshot.buffered_bytes)
         m.held_bytes.set(snapshot.held_bytes)
         m.newest_policy_version.set(snapshot.newest_policy_version)
+        if _trainer_published(snapshot):
+            m.trainer_policy_version.set(snapshot.trainer_policy_version)
         self.on_curriculum(
             tasks_inside=snapshot.tasks_inside_filter,
             tasks_outside=snapshot.tasks_total - snapshot.tasks_inside_filter,
@@ -422,3 +425,11 @@ __all__: Sequence[str] = (
     "pass_rate_bucket_counts",
     "price_step",
 )
+
+
+def _trainer_published(snapshot: Any) -> bool:
+    """Whether a trainer published a policy version: a StatusSnapshot says -1 for none, a
+    StatusResponse leaves the field unset."""
+    if hasattr(snapshot, "HasField"):
+        return snapshot.HasField("trainer_policy_version")
+    return snapshot.trainer_policy_version >= 0

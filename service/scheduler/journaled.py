@@ -218,6 +218,7 @@ class JournaledScheduler(Scheduler):
             self.restore_state(snapshot.state, _unref)
             after = snapshot.position
         unstored, calls = self._replay(after)
+        self._stale_unreported = [0, 0]  # the metrics of the process that dropped them are gone
         stored = self.held_steps(list(self._steps))  # their handles are references now
         self._step_refs = {step: list(self._steps[step].payloads) for step in stored}
         if snapshot is not None or calls:

@@ -74,8 +74,9 @@ class IngestResult:
     buffered_rollouts: int
     steps_ready: int  # steps `assemble_ready_steps` would assemble now
     accepted_tokens: int = 0  # tokens of the accepted rollouts
-    # Rollouts of earlier batches dropped by this call because their group went stale (the
-    # newest policy version moved on); `stale` counts this batch's own stale rollouts.
+    # Rollouts of earlier batches dropped as stale by this call (the newest policy version
+    # moved on) or by a trainer's published version since the previous call (then dropped
+    # already; counted here for the metrics); `stale` counts this batch's own stale rollouts.
     stale_buffered: int = 0
     stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
     # Rollouts of earlier batches dropped by this call with their open group, the oldest,
@@ -301,3 +302,4 @@ class StatusSnapshot:
     front_ends: int = 0  # registered with the scheduler actor (set by the actor)
     notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)
     front_end_list: tuple[FrontendSeen, ...] = ()  # every front-end known (set by the actor)
+    trainer_policy_version: int = -1  # the highest a trainer published; -1: none

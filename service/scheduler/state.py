@@ -115,6 +115,10 @@ class Scheduler:
         self._next_batch_key = 0
         self._next_arrival = 0
         self._newest_version = config.rollouts.initial_policy_version  # -1: none seen yet
+        self._trainer_version = -1  # the highest a trainer published; -1: none
+        # Buffered rollouts (and their tokens) a trainer's version made stale, not yet in an
+        # IngestResult: the metrics count stale rollouts from those.
+        self._stale_unreported = [0, 0]
         self._buffered_rollouts = 0
         self._buffered_bytes = 0
         self._steps: dict[int, _Step] = {}
@@ -206,7 +210,7 @@ class Scheduler:
         `versions` is `meta.policy_versions` as a list, converted once per batch."""
         rollouts = self.config.rollouts
         ids, tasks = meta.rollout_ids, meta.task_ids
-        oldest_allowed = newest - rollouts.max_policy_lag
+        oldest_allowed = max(newest, self._trainer_version) - rollouts.max_policy_lag
         # One lookup per task of the batch: a set difference with the pool walks the pool.
         batch_tasks = {tasks[row] for rows in by_group.values() for row in rows}
         unknown = {task for task in batch_tasks if task not in self._task_index}
@@ -224,7 +228,7 @@ class Scheduler:
                 continue
             incoming += len(rows)
             opening += len(rows) if group is None else 0
-        if newest > self._newest_version:
+        if newest > max(self._newest_version, self._trainer_version):
             stale_groups.update(
                 g
                 for g, group in (*self._open.items(), *self._complete.items())
@@ -426,6 +430,10 @@ class Scheduler:
         self.counters.rollouts_stale += stale
         self._complete_groups([group_id for _, group_id in sorted(completed)])
         self._forget_old_groups()
+        (trainer_stale, trainer_stale_tokens), self._stale_unreported = (
+            self._stale_unreported,
+            [0, 0],
+        )
         return IngestResult(
             accepted=accepted,
             duplicate=n - fresh,
@@ -434,19 +442,19 @@ class Scheduler:
             buffered_rollouts=self._buffered_rollouts,
             steps_ready=self._rounds.steps_ready(),
             accepted_tokens=accepted_tokens,
-            stale_buffered=freed,
-            stale_tokens=stale_tokens,
+            stale_buffered=freed + trainer_stale,
+            stale_tokens=stale_tokens + trainer_stale_tokens,
             expired=expired_rollouts,
         )
 
     def _check_version_jump(self, meta: BatchMeta, by_group: dict[str, list[int]]) -> None:
         """InvalidBatchError for the first fresh rollout more than `max_version_jump` versions
-        ahead of the newest version seen (of the batch's first fresh rollout, before any):
-        the newest version only grows, so one bogus version would make every honest rollout
-        stale for the rest of the run."""
+        ahead of the newest version known (in a rollout or published by the trainer; before
+        any, the batch's first fresh rollout's): the newest version only grows, so one bogus
+        version would make every honest rollout stale for the rest of the run."""
         if not by_group:
             return
-        baseline = self._newest_version
+        baseline = max(self._newest_version, self._trainer_version)
         if baseline < 0:
             baseline = int(meta.policy_versions[min(rows[0] for rows in by_group.values())])
         limit = baseline + self.config.rollouts.max_version_jump
@@ -461,7 +469,7 @@ class Scheduler:
                 "policy_version",
                 f"{int(meta.policy_versions[row])} is more than max_version_jump "
                 f"{self.config.rollouts.max_version_jump} ahead of the newest policy version "
-                f"seen, {baseline}",
+                f"seen, {baseline} (in a rollout or published by the trainer)",
                 reason=RejectReason.BAD_POLICY_VERSION,
             )
 
@@ -853,16 +861,41 @@ class Scheduler:
     # ---- trainer reports and status -------------------------------------------------
 
     def record_report(self, rank: int, report: dict[str, float]) -> None:
-        """Keep the latest report of each rank (the metrics exporter reads them). ValueError,
-        keeping nothing, for a rank outside [0, world_size) or a negative report["step"]: a
-        stray rank must not grow the state or the metrics."""
+        """Keep the latest report of each rank (the metrics exporter reads them) and the
+        policy version it publishes, if any (`_publish_version`). ValueError, keeping
+        nothing, for a rank outside [0, world_size) or a negative report["step"] or
+        report["policy_version"]: a stray rank must not grow the state or the metrics."""
         world_size = self.config.batching.world_size
         if not 0 <= rank < world_size:
             raise ValueError(f"trainer report: field rank: {rank} is outside [0, {world_size})")
-        if report.get("step", 0) < 0:
-            raise ValueError(f"trainer report of rank {rank}: field step: {report['step']} < 0")
+        for name in ("step", "policy_version"):
+            if report.get(name, 0) < 0:
+                raise ValueError(f"trainer report of rank {rank}: field {name}: {report[name]} < 0")
         self.last_reports[int(rank)] = typed_report(report)
         self.counters.trainer_reports += 1
+        if "policy_version" in report:
+            self._publish_version(int(report["policy_version"]))
+
+    def _publish_version(self, version: int) -> None:
+        """The trainer's weights are at `version` (it only counts if higher than any published
+        before: a late retry of an older report must not move it back). Staleness is then
+        measured against max(it, newest version in a rollout): buffered groups now more than
+        max_policy_lag behind are dropped at once, before any step takes them, so a fleet
+        that lags as a whole is caught even when no rollout carries a newer version."""
+        if version <= self._trainer_version:
+            return
+        self._trainer_version = version
+        oldest_allowed = max(version, self._newest_version) - self.config.rollouts.max_policy_lag
+        stale = [
+            (group_id, group)
+            for group_id, group in (*self._open.items(), *self._complete.items())
+            if group.min_version < oldest_allowed
+        ]
+        for group_id, group in stale:
+            self._stale_unreported[0] += len(group.rows)
+            self._stale_unreported[1] += sum(row.length for row in group.rows)
+            self._drop_group(group_id, "stale")
+        self._forget_old_groups()
 
     def status(self) -> StatusSnapshot:
         world_size = self.config.batching.world_size
@@ -877,6 +910,7 @@ class Scheduler:
             tasks_total=len(self._task_ids),
             tasks_inside_filter=inside,
             newest_policy_version=max(self._newest_version, 0),
+            trainer_policy_version=self._trainer_version,
             steps_waiting={
                 step: sorted(set(range(world_size)) - held.fetched)
                 for step, held in sorted(self._steps.items())
@@ -940,6 +974,7 @@ class Scheduler:
             "counters": dataclasses.asdict(self.counters),
             "step_records": [dataclasses.asdict(r) for r in self.step_records],
             "last_reports": self.last_reports,
+            "trainer_policy_version": self._trainer_version,
         }
 
     def restore_state(self, state: dict, unref: Any) -> None:
@@ -985,15 +1020,23 @@ class Scheduler:
         self.last_reports = {
             int(rank): typed_report(report) for rank, report in state["last_reports"].items()
         }
+        self._trainer_version = state.get("trainer_policy_version", -1)  # older: none
 
 
 def typed_report(report: dict[str, float]) -> dict[str, float]:
-    """A trainer report as the scheduler keeps it: `step` an int, every other field a float.
+    """A trainer report as the scheduler keeps it: `step` and `policy_version` ints, every
+    other field a float.
 
     One place decides the types, so a report that went through a journal or a snapshot
     (where a version before this one wrote `step` as a float) reads back as the live one:
     status puts `step` in an integer proto field, which refuses 2.0."""
-    return {name: int(value) if name == "step" else float(value) for name, value in report.items()}
+    return {
+        name: int(value) if name in _INT_REPORT_FIELDS else float(value)
+        for name, value in report.items()
+    }
+
+
+_INT_REPORT_FIELDS = frozenset({"step", "policy_version"})
 
 
 # The scheduler's scalar state, as a snapshot names it.

@@ -74,6 +74,7 @@ def test_readme_producer_and_trainer_run_against_a_real_sidecar(make_sidecar, mo
     assert trainer["step"].step == 1
     assert status.counters.trainer_reports == 2
     assert {r.step for r in status.last_reports} == {1}
+    assert status.trainer_policy_version == 2  # the weights after the second update
     after = list(trainer["model"].parameters())
     assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after, strict=True))
 

@@ -270,3 +270,38 @@ def test_a_snapshot_from_before_rounds_is_read_its_groups_stepping_as_fallback(
     store.write(snapshot.position, 99, snapshot.state)
     with pytest.raises(ValueError, match="state version 99"):
         JournaledScheduler(config, tmp_path, _ref_of)
+
+
+@pytest.mark.parametrize("snapshot_every", [20_000, 3])
+def test_the_trainers_published_version_survives_a_restart(tmp_path, snapshot_every) -> None:
+    """Replayed (or read from a snapshot): the trainer's version, the groups it made stale
+    and what it keeps holding rollouts to after the restart."""
+    config = with_overrides(
+        _config(tmp_path, snapshot_every), rollouts={"max_policy_lag": 1, "prompts_per_step": 2}
+    )
+    journaled = JournaledScheduler(config, tmp_path, _ref_of)
+    journaled.register_tasks([f"t{i}" for i in range(5)])
+    rng = np.random.default_rng(9)
+    tasks = [f"t{i}" for i in range(5)]
+    old = synthetic_groups(num_groups=2, group_size=4, rng=rng, tasks=tasks, prefix="old")
+    meta = batch_meta(decode_rollout_batch(old.encode(range(6))))
+    _ingest_and_store(journaled, meta, key=1)
+    journaled.record_report(0, {"step": 3, "loss": 0.5, "policy_version": 4})
+    journaled.commit()
+    before = journaled.status()
+    assert before.trainer_policy_version == 4 and before.counters.rollouts_stale == 6
+    journaled.close()
+    snapshots = list((tmp_path / SCHEDULER_SLOT).glob("snapshot-*.msgpack"))
+    assert bool(snapshots) == (snapshot_every == 3)
+
+    rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
+    assert dataclasses.asdict(rebuilt.status()) == dataclasses.asdict(before)
+    assert rebuilt.last_reports[0] == {"step": 3, "loss": 0.5, "policy_version": 4}
+    lagging = synthetic_groups(
+        num_groups=1, group_size=4, rng=rng, tasks=tasks, prefix="new", policy_version=2
+    )
+    result, _ = _ingest_and_store(
+        rebuilt, batch_meta(decode_rollout_batch(lagging.encode())), key=2
+    )
+    assert (result.accepted, result.stale) == (0, 4)  # 2 < 4 - max_policy_lag
+    rebuilt.close()

@@ -620,3 +620,63 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
         for row in group.rows
     }
     assert set(scheduler._payloads) == buffered
+
+
+def test_a_fleet_lagging_the_trainers_published_version_is_dropped_as_stale() -> None:
+    """Every rollout carries version 0, so the newest version in a rollout stays 0; the
+    trainer's published version 3 (max_policy_lag 1) still makes them stale: at ingest,
+    and the groups already buffered, at once (no step ever takes them)."""
+    scheduler = make_scheduler(rollouts={"max_policy_lag": 1})
+    rng = np.random.default_rng(40)
+    buffered = synthetic_groups(num_groups=2, group_size=4, rng=rng, prefix="a")
+    late = synthetic_groups(num_groups=2, group_size=4, rng=rng, prefix="b")
+    ingest(scheduler, buffered, range(7))  # one complete group, one open
+    scheduler.record_report(0, {"step": 0, "loss": 0.1, "policy_version": 3})
+    status = scheduler.status()
+    assert status.trainer_policy_version == 3 and status.newest_policy_version == 0
+    assert (status.buffered_rollouts, status.open_groups, status.complete_groups) == (0, 0, 0)
+    assert status.counters.rollouts_stale == 7
+    ack = ingest(scheduler, late)
+    assert (ack.accepted, ack.stale) == (0, 8)
+    # The 7 dropped by the report reach the metrics with this ingest (stale_buffered).
+    tokens = [len(t) for t in buffered.token_ids[:7] + late.token_ids]
+    assert ack.stale_buffered == 7 and ack.stale_tokens == sum(tokens)
+    assert assemble_ready_steps(scheduler) == []
+    assert scheduler.status().counters.rollouts_stale == 15
+
+
+def test_rollouts_within_max_policy_lag_of_the_trainer_are_kept() -> None:
+    scheduler = make_scheduler(rollouts={"max_policy_lag": 2})
+    rng = np.random.default_rng(41)
+    scheduler.record_report(1, {"step": 4, "loss": 0.1, "policy_version": 5})
+    ok = synthetic_groups(num_groups=2, group_size=4, rng=rng, prefix="ok", policy_version=3)
+    old = synthetic_groups(num_groups=1, group_size=4, rng=rng, prefix="old", policy_version=2)
+    assert ingest(scheduler, ok).accepted == 8
+    assert ingest(scheduler, old).stale == 4
+    assert assemble_ready_steps(scheduler) == [0]
+    # A late retry of an older report does not move the trainer's version back.
+    scheduler.record_report(0, {"step": 1, "loss": 0.1, "policy_version": 1})
+    assert scheduler.status().trainer_policy_version == 5
+    assert scheduler.status().last_reports[0]["policy_version"] == 1
+
+
+def test_max_version_jump_counts_from_the_trainers_version() -> None:
+    scheduler = make_scheduler(rollouts={"max_version_jump": 3, "max_policy_lag": 100})
+    rollouts = synthetic_groups(num_groups=2, group_size=1, rng=np.random.default_rng(42))
+    rollouts.policy_versions[:] = [24, 23]
+    scheduler.record_report(0, {"step": 0, "loss": 0.0, "policy_version": 20})
+    with pytest.raises(
+        InvalidBatchError,
+        match=r"rollout 'g0-r0': field policy_version: 24 is more than max_version_jump 3 "
+        r"ahead of the newest policy version seen, 20 \(in a rollout or published by the trainer\)",
+    ):
+        ingest(scheduler, rollouts, [0])
+    assert ingest(scheduler, rollouts, [1]).accepted == 1
+
+
+def test_a_negative_published_version_is_refused_keeping_nothing() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="trainer report of rank 0: field policy_version: -1 < 0"):
+        scheduler.record_report(0, {"step": 0, "loss": 0.0, "policy_version": -1})
+    status = scheduler.status()
+    assert status.trainer_policy_version == -1 and status.last_reports == {}
