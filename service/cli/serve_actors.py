@@ -2,7 +2,8 @@
 the scheduler actor and the front-end actors (`service/frontends/`); it serves nothing
 itself. It prints where each front-end listens, then one line
 
-    rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors)
+    rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors; TLS off,
+        mTLS off, tokens off)
 
 whose address list a client takes as it is (round-robin over the front-ends). It watches
 the front-ends until told to stop (exit 0) or one is gone for good (exit 1, said why);
@@ -22,6 +23,7 @@ from rlfeed.service.config import SidecarConfig
 def serve_frontend_actors(
     config: SidecarConfig, ray_address: str | None, where: str, stop: threading.Event
 ) -> int:
+    from rlfeed.service.cli.serve import describe_security
     from rlfeed.service.frontend.server import connect_ray
     from rlfeed.service.frontends.placement import FrontendLost, start_frontend_actors
     from rlfeed.service.scheduler.actor import create_scheduler_actor
@@ -46,8 +48,10 @@ def serve_frontend_actors(
             signal.signal(signal.SIGHUP, lambda signum, frame: actors.reload_tokens())
         addresses = ",".join(dict.fromkeys(actors.addresses))  # front-ends sharing a port: once
         count = len(actors.places)
+        secured = describe_security(config)
         print(
-            f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray actors)",
+            f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray "
+            f"actors; {secured})",
             flush=True,
         )
         while not stop.wait(1.0):
