@@ -231,20 +231,6 @@ def _check_files(config) -> None:
         raise _fail(2, exc) from None
 
 
-def describe_security(config) -> str:
-    """What the "listening on" line says of the public port, e.g. "TLS on, mTLS off,
-    tokens on"."""
-    security = config.security
-    return ", ".join(
-        f"{what} {'on' if on else 'off'}"
-        for what, on in (
-            ("TLS", security.tls),
-            ("mTLS", security.mutual_tls),
-            ("tokens", security.tokens),
-        )
-    )
-
-
 def _describe_ray(args: argparse.Namespace) -> str:
     """Which Ray this sidecar runs on, for the "listening on" line."""
     if args.ray_address is None:
@@ -321,7 +307,7 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
         print(
             f"rlfeed serve: listening on {sidecar.address} ({where}{fronts}; "
-            f"{describe_security(config)})",
+            f"{config.security.summary()})",
             flush=True,
         )
         code = _wait_for_stop(stop, replicas, sidecar, args.first_pid)

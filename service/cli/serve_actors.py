@@ -23,7 +23,6 @@ from rlfeed.service.config import SidecarConfig
 def serve_frontend_actors(
     config: SidecarConfig, ray_address: str | None, where: str, stop: threading.Event
 ) -> int:
-    from rlfeed.service.cli.serve import describe_security
     from rlfeed.service.frontend.server import connect_ray
     from rlfeed.service.frontends.placement import FrontendLost, start_frontend_actors
     from rlfeed.service.scheduler.actor import create_scheduler_actor
@@ -48,7 +47,7 @@ def serve_frontend_actors(
             signal.signal(signal.SIGHUP, lambda signum, frame: actors.reload_tokens())
         addresses = ",".join(dict.fromkeys(actors.addresses))  # front-ends sharing a port: once
         count = len(actors.places)
-        secured = describe_security(config)
+        secured = config.security.summary()
         print(
             f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray "
             f"actors; {secured})",

@@ -91,6 +91,12 @@ class SecurityConfig:
         """Calls need a bearer token."""
         return bool(self.auth_token_file)
 
+    def summary(self) -> str:
+        """What guards the port, for the "listening on" line: e.g. "TLS on, mTLS off,
+        tokens on"."""
+        switches = (("TLS", self.tls), ("mTLS", self.mutual_tls), ("tokens", self.tokens))
+        return ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches)
+
     def check_files(self) -> None:
         """Every configured file is a readable regular file, the certificate and key are a
         pair valid now (`certificates.py`), and the token file parses: ValueError naming
