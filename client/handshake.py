@@ -111,7 +111,7 @@ def diagnose(details: str, handshake: Handshake) -> Diagnosis | None:
             f"check {ENV_TLS_CA}, {ENV_TLS_SERVER_NAME} and the sidecar's TLS settings",
             certain=True,
         )
-    if "Socket closed" in reason:
+    if "Socket closed" in reason and "failed to connect" in details:  # while connecting
         return Diagnosis(_closed_advice(handshake), certain=False)
     return None
 

@@ -154,6 +154,31 @@ def test_rlfeed_status_names_the_tls_mistake_in_one_line(sidecars, pki, mistake)
     assert seconds < CLI_FAIL_WITHIN_S
 
 
+@pytest.mark.parametrize("command", ["demo", "layout"])
+def test_the_other_client_commands_name_the_tls_mistake_in_one_line(
+    sidecars, pki, command, tmp_path
+):
+    address = sidecars["tls"]
+    extra = ["--step", "0", "-o", str(tmp_path / "step.png")] if command == "layout" else []
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfeed", command, "--address", address, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_environment(pki, {"tls_ca": "other_ca"}),
+    )
+    seconds = time.monotonic() - started
+    print(f"rlfeed {command}: exit {done.returncode} after {seconds:.2f} s: {done.stderr}")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith(
+        f"rlfeed {command}: TLS handshake with the sidecar at {address} failed: "
+    )
+    assert "set RLFEED_TLS_CA (tls_ca) to the CA that signed it" in done.stderr
+    assert seconds < CLI_FAIL_WITHIN_S
+
+
 def test_the_right_credentials_still_answer(sidecars, pki):
     """The control: the same sidecars, the credentials that fit."""
     for target, names in (
