@@ -122,10 +122,8 @@ def test_readme_trainer_under_torchrun_keeps_the_ranks_weights_equal(
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for rank in (0, 1):  # each rank says how its steps went
-        assert re.search(rf"^step 1 rank {rank}: loss -?\d+\.\d{{4}}$", run.stdout, re.M), (
-            run.stdout
-        )
+    for rank in (0, 1):  # each rank says how its steps went (the two ranks' lines may interleave)
+        assert re.search(rf"step 1 rank {rank}: loss -?\d+\.\d{{4}}", run.stdout), run.stdout
     from rlfeed.client.transport import GrpcTransport
 
     transport = GrpcTransport(sidecar.address)
