@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from rlfeed.client.transport import SidecarError as SidecarError
     from rlfeed.client.transport import SidecarUnreachableError as SidecarUnreachableError
     from rlfeed.client.transport import StepReleasedError as StepReleasedError
+    from rlfeed.client.transport import TLSHandshakeError as TLSHandshakeError
     from rlfeed.client.transport import Transport as Transport
     from rlfeed.client.transport import WorldSizeMismatchError as WorldSizeMismatchError
 
@@ -80,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "SidecarError": "transport",
     "SidecarUnreachableError": "transport",
     "StepReleasedError": "transport",
+    "TLSHandshakeError": "transport",
     "Transport": "transport",
     "WorldSizeMismatchError": "transport",
 }

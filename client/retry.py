@@ -11,6 +11,11 @@ waits longer. Either way the first failure logs a warning naming the address and
 budget at once, another follows every 10 s, the end of the outage is logged (INFO) with
 its length, and a budget spent raises `SidecarUnreachableError`: never a silent wait.
 
+A failed TLS handshake (`TLSHandshakeError`: a CA, server name or client certificate that
+does not fit) never heals, so it is raised at once, not retried; gRPC's weaker "Socket
+closed" counts as one only while the sidecar has never answered this client and it has said
+nothing else for `SUSPECT_FOR_S` (1.5 s).
+
 Only idempotent calls are retried (`TRANSIENT_CODES`): a rollout batch re-sent with the
 same rollout ids, a fetch of the same (step, rank), a cumulative acknowledgement, task
 registration, a trainer report (it replaces the rank's previous one), a task sample.
@@ -24,7 +29,13 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from rlfeed.client.transport import BufferFullError, SidecarError, SidecarUnreachableError
+from rlfeed.client.handshake import SUSPECT_FOR_S
+from rlfeed.client.transport import (
+    BufferFullError,
+    SidecarError,
+    SidecarUnreachableError,
+    TLSHandshakeError,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -129,6 +140,7 @@ class Outage:
         self._policy = policy
         self._since: float | None = None
         self._warned_at: float | None = None
+        self._suspect_since: float | None = None  # "Socket closed" and nothing else since
         self.interrupted = False  # a retried failure was met (the sidecar may have restarted)
 
     def failed(self, exc: SidecarError) -> None:
@@ -138,6 +150,7 @@ class Outage:
             self.succeeded()  # an answer, if not a welcome one
             raise exc
         now = time.monotonic()
+        self._raise_handshake(exc, now)
         self.interrupted = True
         if self._since is None:
             self._since = now
@@ -158,6 +171,19 @@ class Outage:
                 self.setting,
             )
 
+    def _raise_handshake(self, exc: SidecarError, now: float) -> None:
+        """Raise a handshake failure that cannot heal (module docstring)."""
+        if not isinstance(exc, TLSHandshakeError):
+            self._suspect_since = None
+            return
+        if exc.certain:
+            raise exc
+        if self._suspect_since is None:
+            self._suspect_since = now
+        answered = self._policy is not None and self._policy.answered
+        if not answered and now - self._suspect_since >= SUSPECT_FOR_S:
+            raise exc
+
     def succeeded(self) -> None:
         """The sidecar answered (anything but a retried failure)."""
         if self._policy is not None:
@@ -169,6 +195,7 @@ class Outage:
                 time.monotonic() - self._since,
             )
             self._since = self._warned_at = None
+        self._suspect_since = None
 
     def call(self, fn: Callable[[], _T], pause_s: float = 0.1) -> _T:
         """fn(), asked again every `pause_s` while it fails with one of `codes`."""

@@ -13,8 +13,9 @@ the sidecar's), `BufferFullError` (RESOURCE_EXHAUSTED: the buffer is full or too
 calls are in flight, retry later), `MessageTooLargeError` (RESOURCE_EXHAUSTED from gRPC's
 message size limit: never retried, the same bytes would be refused again), `StepReleasedError`
 (NOT_FOUND: the step is no longer retained), `AuthenticationError` (UNAUTHENTICATED or
-PERMISSION_DENIED: the token or certificate was refused), `SidecarError` for anything
-else. A transport raises UNAVAILABLE as a plain `SidecarError`, at once; the clients
+PERMISSION_DENIED: the token or certificate was refused), `TLSHandshakeError` (an
+UNAVAILABLE whose reason is a failed TLS handshake: `client/handshake.py`), `SidecarError`
+for anything else. A transport raises UNAVAILABLE as a plain `SidecarError`, at once; the clients
 retry what is safe to retry (`client/retry.py`: a warning naming the address, then
 `SidecarUnreachableError`).
 
@@ -39,6 +40,8 @@ import re
 from typing import Protocol, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
+from rlfeed.client.handshake import Handshake, diagnose
+from rlfeed.client.handshake import message as handshake_message
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.metadata import RETRY_AFTER_MS
 
@@ -112,6 +115,18 @@ class SidecarUnreachableError(SidecarError, ConnectionError):
         )
         self.address = address
         self.waited_s = waited_s
+
+
+class TLSHandshakeError(SidecarError, ConnectionError):
+    """The TLS handshake with the sidecar at `address` failed (code UNAVAILABLE): a CA,
+    server name or client certificate that does not fit, or TLS on one side only. The
+    message says what to check. `certain` False: gRPC only said "Socket closed", which a
+    sidecar going down says too (`client/retry.py` decides). Not retried once certain."""
+
+    def __init__(self, address: str, message: str, certain: bool = True) -> None:
+        super().__init__("UNAVAILABLE", message)
+        self.address = address
+        self.certain = certain
 
 
 class BufferFullError(SidecarError):
@@ -229,6 +244,7 @@ class GrpcTransport:
         )
         self.address = address
         self.tls = security.tls
+        self._handshake = Handshake.of(security)
         self._grpc = grpc
         self._call_timeout_s = call_timeout_s
         self._channel = open_channel(
@@ -259,7 +275,9 @@ class GrpcTransport:
         try:
             return method(request, timeout=timeout_s or self._call_timeout_s)
         except self._grpc.RpcError as exc:
-            raise _sidecar_error(exc, self.address, ingest=ingest) from None
+            raise _sidecar_error(
+                exc, self.address, ingest=ingest, handshake=self._handshake
+            ) from None
 
     def submit(self, batch: pb.RolloutBatch) -> pb.SubmitAck:
         return self._call(self._ingest.SubmitRolloutBatch, batch, ingest=True)
@@ -299,9 +317,16 @@ class GrpcTransport:
         self._channel.close()
 
 
-def _sidecar_error(exc, address: str = "", *, ingest: bool = False) -> SidecarError:
+def _sidecar_error(
+    exc, address: str = "", *, ingest: bool = False, handshake: Handshake | None = None
+) -> SidecarError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     message = exc.details() or str(exc)
+    if code == "UNAVAILABLE" and handshake is not None:
+        diagnosis = diagnose(message, handshake)
+        if diagnosis is not None:
+            text = handshake_message(address, diagnosis, message)
+            return TLSHandshakeError(address, text, diagnosis.certain)
     if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return AuthenticationError(code, message, address)
     if code == "INVALID_ARGUMENT":

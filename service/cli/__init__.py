@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import signal
 import sys
 
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     130 / 143 once its cleanup (`finally` blocks) has run. `rlfeed serve` installs its own
     handlers: for it a signal is the normal way to stop, answered with exit status 0."""
     args = build_parser().parse_args(argv)
+    # Each command reports a failure in its own one line; gRPC's C core would otherwise
+    # write INFO notes of its own first (a failed TLS handshake). GRPC_VERBOSITY=debug, or
+    # any value set, still wins. Before `import grpc`, which reads it once.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         with stop_signals_raise():
             return int(args._run(args) or 0)

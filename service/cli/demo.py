@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from rlfeed.client.transport import SidecarError
+    from rlfeed.client.transport import SidecarError, TLSHandshakeError
     from rlfeed.service.demo import run as demo_run
 
     try:
@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except SidecarError as exc:  # the trainers' and the fleet's own failures are theirs
         where = args.address or "the embedded sidecar"
-        if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        if isinstance(exc, TLSHandshakeError):
+            print(f"rlfeed demo: {exc.message}", file=sys.stderr)
+        elif exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             print(f"rlfeed demo: {unreachable(where, exc.message)}", file=sys.stderr)
         else:
             print(f"rlfeed demo: {where} answered {exc}", file=sys.stderr)

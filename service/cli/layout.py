@@ -159,7 +159,12 @@ def _offline_layout(args: argparse.Namespace):
 
 
 def _served_layout(args: argparse.Namespace):
-    from rlfeed.client.transport import GrpcTransport, SidecarError, StepReleasedError
+    from rlfeed.client.transport import (
+        GrpcTransport,
+        SidecarError,
+        StepReleasedError,
+        TLSHandshakeError,
+    )
     from rlfeed.service.metrics.layout_plot import layout_from_batch_responses
 
     transport = GrpcTransport(args.address, call_timeout_s=10.0)
@@ -185,6 +190,8 @@ def _served_layout(args: argparse.Namespace):
         )
     except StepReleasedError as exc:
         raise _SidecarError(str(exc)) from None
+    except TLSHandshakeError as exc:
+        raise _SidecarError(exc.message) from None
     except SidecarError as exc:
         if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             raise _SidecarError(unreachable(args.address, exc.message)) from None

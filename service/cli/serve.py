@@ -6,15 +6,22 @@
     RAY_ADDRESS=head:6379 rlfeed serve            # join that cluster (--ray-address wins)
     rlfeed serve --metrics-port 9400 --replicas 4 # metrics; 4 front-ends on one port
     rlfeed serve --journal-dir /data/rlfeed       # nothing acknowledged is lost in a crash
+    rlfeed serve --world-size 2                   # beside `torchrun --nproc_per_node 2`
+    rlfeed serve --config my.toml --print-config  # print the resolved config, start nothing
 
-Prints the resolved config, then `rlfeed serve: listening on HOST:PORT`. SIGTERM or Ctrl-C
-stops it gracefully within seconds, exit status 0: serving until told to stop is its whole
-job, so a stop asked for is a success (a Kubernetes Job or `restart: on-failure` must not
-count it as a crash), unlike `rlfeed demo`, whose steps a signal leaves undone (143). Exit
-2 for a bad config, 1 when it cannot start (a port in use: found before Ray starts) or a
-replica dies without `--journal-dir` (with one, the replica is restarted on its journal
-slot and the sidecar runs on). A replica whose first process is killed exits within a
-second, so no orphan holds the port.
+Prints the resolved config (`--config-format`), then one line
+
+    rlfeed serve: listening on 127.0.0.1:50051 (embedded Ray; TLS on, mTLS off, tokens on)
+
+SIGTERM or Ctrl-C stops it gracefully within seconds, exit status 0: serving until told to
+stop is its whole job, so a stop asked for is a success (a Kubernetes Job or `restart:
+on-failure` must not count it as a crash), unlike `rlfeed demo`, whose steps a signal
+leaves undone (143). Exit 2 for a bad config, `[security]` files included (missing, a
+certificate and key that are no pair, an expired certificate); 1 when it cannot start (a
+port in use) or a replica dies without `--journal-dir` (with one, the replica is restarted
+on its journal slot and the sidecar runs on). A bad config and a port in use are found
+before Ray starts. A replica whose first process is killed exits within a second, so no
+orphan holds the port.
 """
 
 from __future__ import annotations
@@ -91,7 +98,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(flag, metavar="FILE", help=what)
     parser.add_argument(
+        "--world-size",
+        type=positive_int,
+        metavar="N",
+        help="trainer ranks each step is cut for, e.g. torchrun's --nproc_per_node "
+        "([batching] world_size, default 1)",
+    )
+    parser.add_argument(
         "--print-config",
+        nargs="?",
+        const="toml",
+        choices=("toml", "json"),
+        metavar="toml|json",
+        help="print the resolved config (default toml) and exit, starting nothing",
+    )
+    parser.add_argument(
+        "--config-format",
         choices=("toml", "json"),
         default="toml",
         help="format of the resolved config printed at start-up (default toml)",
@@ -127,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
     _resolve_ray_address(args)
     try:
         config = _resolved_config(args)
-        print(dump_config(config, args.print_config), flush=True)
+        if args.print_config:
+            print(dump_config(config, args.print_config), flush=True)
+            return 0
+        _check_files(config)
+        print(dump_config(config, args.config_format), flush=True)
         _retain_freed_memory(config)
         if config.frontends.count:
             from rlfeed.service.cli.serve_actors import serve_frontend_actors
@@ -171,6 +197,7 @@ def _resolved_config(args: argparse.Namespace):
         if getattr(args, name) is not None
     }
     journal = {"dir": args.journal_dir} if args.journal_dir is not None else {}
+    batching = {"world_size": args.world_size} if args.world_size is not None else {}
     frontends = {
         name: value
         for name, value in (("count", args.frontends), ("resource", args.frontend_resource))
@@ -184,6 +211,7 @@ def _resolved_config(args: argparse.Namespace):
             security=security,
             journal=journal,
             frontends=frontends,
+            batching=batching,
         )
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
@@ -192,6 +220,15 @@ def _resolved_config(args: argparse.Namespace):
     if args.join and config.frontends.count:
         raise _fail(2, "--join and --frontends exclude each other (Ray places the front-ends)")
     return config
+
+
+def _check_files(config) -> None:
+    """The `[security]` files, read before Ray starts (a missing file, a certificate and
+    key that are no pair, an expired certificate): exit 2, as for any bad config."""
+    try:
+        config.security.check_files()
+    except (OSError, ValueError) as exc:
+        raise _fail(2, exc) from None
 
 
 def _describe_ray(args: argparse.Namespace) -> str:
@@ -268,7 +305,11 @@ def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exp
             print(f"rlfeed serve: metrics on {exporter.url}/metrics", flush=True)
         where = _describe_ray(args)
         fronts = f", {config.server.replicas} front-ends" if replicas is not None else ""
-        print(f"rlfeed serve: listening on {sidecar.address} ({where}{fronts})", flush=True)
+        print(
+            f"rlfeed serve: listening on {sidecar.address} ({where}{fronts}; "
+            f"{config.security.summary()})",
+            flush=True,
+        )
         code = _wait_for_stop(stop, replicas, sidecar, args.first_pid)
         print("rlfeed serve: stopping", flush=True)
         return code

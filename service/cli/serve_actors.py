@@ -2,7 +2,8 @@
 the scheduler actor and the front-end actors (`service/frontends/`); it serves nothing
 itself. It prints where each front-end listens, then one line
 
-    rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors)
+    rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors; TLS off,
+        mTLS off, tokens off)
 
 whose address list a client takes as it is (round-robin over the front-ends). It watches
 the front-ends until told to stop (exit 0) or one is gone for good (exit 1, said why);
@@ -46,8 +47,10 @@ def serve_frontend_actors(
             signal.signal(signal.SIGHUP, lambda signum, frame: actors.reload_tokens())
         addresses = ",".join(dict.fromkeys(actors.addresses))  # front-ends sharing a port: once
         count = len(actors.places)
+        secured = config.security.summary()
         print(
-            f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray actors)",
+            f"rlfeed serve: listening on {addresses} ({where}, {count} front-ends as Ray "
+            f"actors; {secured})",
             flush=True,
         )
         while not stop.wait(1.0):

@@ -6,8 +6,10 @@
 Shows health (grpc.health.v1), the next step, the gRPC front-ends serving (more than one
 with `rlfeed serve --replicas`), buffered rollouts and bytes, tasks inside and outside the
 pass-rate filter, steps still waiting for ranks, and the counters. Exits 1 with
-a clear message when nothing answers at the address. `--json` is strict JSON: a figure
-that is not finite (a trainer's NaN) is null.
+a clear message when nothing answers at the address or the TLS handshake fails (naming
+what to check: RLFEED_TLS_CA, RLFEED_TLS_SERVER_NAME, a client certificate, the sidecar's
+TLS); 2 when the client's own TLS or token settings cannot be read. `--json` is strict
+JSON: a figure that is not finite (a trainer's NaN) is null.
 """
 
 from __future__ import annotations
@@ -130,10 +132,17 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from rlfeed.client.auth import ChannelSecurity, open_channel
+    from rlfeed.client.handshake import Handshake, diagnose
+    from rlfeed.client.handshake import message as handshake_message
     from rlfeed.proto import rlfeed_pb2, rlfeed_pb2_grpc
 
     # Token and TLS material from RLFEED_TOKEN, RLFEED_TLS_CA, ... (an admin token for status).
-    with open_channel(args.address, ChannelSecurity.resolve()) as channel:
+    try:
+        security = ChannelSecurity.resolve()
+    except ValueError as exc:  # e.g. RLFEED_TLS_CA names a file that is not there
+        print(f"rlfeed status: {exc}", file=sys.stderr)
+        return 2
+    with open_channel(args.address, security) as channel:
         try:
             check = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=args.timeout
@@ -142,10 +151,16 @@ def run(args: argparse.Namespace) -> int:
                 rlfeed_pb2.GetStatusRequest(), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                message = unreachable(args.address, exc.details() or "")
+            details = exc.details() or ""
+            # One connection attempt: a "Socket closed" at connect counts as a handshake
+            # failure here (the clients, which retry, wait to be sure: client/retry.py).
+            diagnosis = diagnose(details, Handshake.of(security))
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and diagnosis is not None:
+                message = handshake_message(args.address, diagnosis, details)
+            elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                message = unreachable(args.address, details)
             else:
-                message = f"{args.address} answered {exc.code().name}: {exc.details()}"
+                message = f"{args.address} answered {exc.code().name}: {details}"
             print(f"rlfeed status: {message}", file=sys.stderr)
             return 1
     health = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)

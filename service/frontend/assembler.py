@@ -41,6 +41,16 @@ def _step_of(item: tuple[int, float, StepWork]) -> int:
     return item[0]
 
 
+def _log_failure(exc: Exception) -> None:
+    """A failed round, retried in 1 s. The scheduler actor not answering is the watch's to
+    report (`watch.py`: a warning at once, then its restart or the sidecar stopping), so
+    it is not logged here: a traceback a second would bury that one clear line."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        _log.debug("rlfeed: step assembly waits for the scheduler actor (%s)", type(exc).__name__)
+    else:
+        _log.exception("rlfeed: step assembly failed; retrying in 1 s")
+
+
 class StepAssembler:
     """Owns the planned-but-unstored steps, the steps moved out of memory, and the thread."""
 
@@ -109,9 +119,9 @@ class StepAssembler:
                     releases = self.frontend.scheduler.sync(force=due)
                     if releases is not None:
                         self.free(releases)
-            except Exception:  # a dead actor surfaces on the next handler call too
+            except Exception as exc:  # a dead actor surfaces on the next handler call too
                 if not signals.stopping:
-                    _log.exception("rlfeed: step assembly failed; retrying in 1 s")
+                    _log_failure(exc)
                     time.sleep(ASSEMBLY_RETRY_SECONDS)
                     self._work_ready.set()
 

@@ -40,6 +40,7 @@ from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_s
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
+from rlfeed.service.frontends.config import embedded_cpus
 from rlfeed.service.replicas.handover import PeerQueries, hand_over
 from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor
@@ -225,7 +226,7 @@ def connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
         if ray_address is None:
             ray.init(
                 address="local",  # always a fresh embedded instance, never a stray cluster
-                num_cpus=config.ray.num_cpus,
+                num_cpus=embedded_cpus(config.ray.num_cpus, config.frontends),
                 include_dashboard=False,
                 log_to_driver=False,
                 namespace=config.ray.namespace,

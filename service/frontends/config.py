@@ -11,6 +11,7 @@ front-ends on one machine that clients address one by one).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,3 +69,11 @@ class FrontendsConfig:
         if base_port == 0 or self.ports == "same":
             return base_port
         return base_port + index
+
+
+def embedded_cpus(num_cpus: int, frontends: FrontendsConfig) -> int:
+    """The CPUs of an embedded local Ray: `[ray] num_cpus`, raised to what it must place
+    (the scheduler actor's 1 CPU plus `num_cpus` for each front-end actor, which could
+    never start otherwise). Ray's CPUs are a count for placement, not a limit on what the
+    processes use. A named `resource` is not offered: no node of this cluster has it."""
+    return max(num_cpus, 1 + math.ceil(frontends.count * frontends.num_cpus))

@@ -91,28 +91,40 @@ class SecurityConfig:
         """Calls need a bearer token."""
         return bool(self.auth_token_file)
 
+    def summary(self) -> str:
+        """What guards the port, for the "listening on" line: e.g. "TLS on, mTLS off,
+        tokens on"."""
+        switches = (("TLS", self.tls), ("mTLS", self.mutual_tls), ("tokens", self.tokens))
+        return ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches)
+
     def check_files(self) -> None:
-        """Every configured file is a readable regular file, and the token file parses:
-        ValueError naming the field otherwise. A key or token file that other users may
-        read is logged as a warning (its path, not its content)."""
+        """Every configured file is a readable regular file, the certificate and key are a
+        pair valid now (`certificates.py`), and the token file parses: ValueError naming
+        the field otherwise. Then a key or token file that other users may read is logged
+        as a warning (its path, not its content)."""
+        from rlfeed.service.security.certificates import check_certificate_pair
         from rlfeed.service.security.tokens import TokenFileError, read_token_file
 
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
-            value = getattr(self, name)
-            if not value:
-                continue
-            path = Path(value)
-            _require(path.is_file(), name, f"{value} is not a file")
-            _require(os.access(path, os.R_OK), name, f"{value} is not readable")
-            private = name in ("tls_key", "auth_token_file")
-            if private and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                _log.warning(
-                    "rlfeed: [security] %s: %s is readable by other users (chmod 600 it)",
-                    name,
-                    value,
-                )
+        paths = {
+            name: Path(getattr(self, name))
+            for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+            if getattr(self, name)
+        }
+        for name, path in paths.items():
+            _require(path.is_file(), name, f"{path} is not a file")
+            _require(os.access(path, os.R_OK), name, f"{path} is not readable")
+        if self.tls:
+            check_certificate_pair(self.tls_cert, self.tls_key)
         if self.auth_token_file:
             try:
                 read_token_file(self.auth_token_file)
             except TokenFileError as exc:
                 raise ValueError(f"[security] auth_token_file: {exc}") from None
+        for name in ("tls_key", "auth_token_file"):
+            path = paths.get(name)
+            if path is not None and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                _log.warning(
+                    "rlfeed: [security] %s: %s is readable by other users (chmod 600 it)",
+                    name,
+                    path,
+                )

@@ -217,3 +217,37 @@ def test_invalid_argument_means_invalid_rollouts_only_for_a_rollout_batch():
     assert isinstance(ingest, InvalidRolloutsError)
     assert isinstance(other, InvalidRequestError) and not isinstance(other, InvalidRolloutsError)
     assert other.code == "INVALID_ARGUMENT" and other.message == "step -1 is not a step"
+
+
+def test_socket_closed_counts_as_a_tls_mistake_only_for_a_client_never_answered():
+    """gRPC's "Socket closed" while connecting is a TLS mismatch for a client the sidecar
+    never answered (raised once it says nothing else for SUSPECT_FOR_S); for one answered
+    before it is a restart like any other, retried under the reconnect budget."""
+    from rlfeed.client.handshake import SUSPECT_FOR_S
+    from rlfeed.client.retry import RetryPolicy
+    from rlfeed.client.transport import TLSHandshakeError
+
+    closed = TLSHandshakeError("127.0.0.1:1", "TLS handshake ... Socket closed", certain=False)
+    refused = SidecarError("UNAVAILABLE", "failed to connect ... Connection refused")
+    for answered in (False, True):
+        policy = RetryPolicy("127.0.0.1:1", connect_timeout_s=30, reconnect_timeout_s=30)
+        policy.answered = answered
+        outage = policy.outage()
+        outage.failed(closed)  # the first one: retried either way
+        outage.failed(refused)  # anything else in between starts the count again
+        started = time.monotonic()
+        raised = None
+        while raised is None and time.monotonic() - started < SUSPECT_FOR_S + 1.0:
+            try:
+                outage.failed(closed)
+            except TLSHandshakeError as exc:
+                raised = exc
+            time.sleep(0.05)
+        if answered:
+            assert raised is None
+        else:
+            assert raised is closed
+            assert SUSPECT_FOR_S <= time.monotonic() - started < SUSPECT_FOR_S + 0.5
+    certain = TLSHandshakeError("127.0.0.1:1", "TLS handshake ... CERTIFICATE_VERIFY_FAILED")
+    with pytest.raises(TLSHandshakeError):  # never heals: at once, answered before or not
+        RetryPolicy("127.0.0.1:1").outage().failed(certain)

@@ -2,8 +2,9 @@
 command in a subprocess. Each failure is one line on stderr, a documented exit status, no
 traceback, within seconds (the time to fail is printed), and leaves nothing running.
 
-Tests needing a sidecar share the session's Ray (`make_sidecar`); the one that starts its
-own Ray (an embedded `rlfeed demo` stopped by SIGTERM) is marked slow.
+Tests needing a sidecar share the session's Ray (`make_sidecar`); those that need a
+`rlfeed serve` or `rlfeed demo` of their own start its embedded Ray (the demo stopped by
+SIGTERM is marked slow).
 """
 
 from __future__ import annotations
@@ -122,6 +123,44 @@ def test_serve_refuses_a_port_in_use_before_ray_starts(holder):
     expected = f"rlfeed serve: cannot listen on 127.0.0.1:{port}: the port is in use"
     assert_fails_in_one_line(done, seconds, 1, expected)
     assert "listening on" not in done.stdout
+
+
+@pytest.mark.parametrize("fmt", ["toml", "json"])
+def test_serve_print_config_prints_the_resolved_config_and_starts_nothing(fmt, tmp_path):
+    from rlfeed.service.config import config_to_dict, load_config
+
+    flags = ["--print-config"] if fmt == "toml" else ["--print-config", "json"]
+    done, seconds = rlfeed("serve", "--world-size", "2", "--port", "7000", *flags)
+    print(f"--print-config {fmt}: exit {done.returncode} after {seconds:.2f} s")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr  # no Ray start-up notes
+    if fmt == "toml":  # `> cfg.toml` is a config file `--config` takes
+        (tmp_path / "cfg.toml").write_text(done.stdout)
+        printed = config_to_dict(load_config(str(tmp_path / "cfg.toml")))
+    else:
+        printed = json.loads(done.stdout)
+    assert printed["batching"]["world_size"] == 2 and printed["server"]["port"] == 7000
+    assert "listening on" not in done.stdout
+    assert seconds < FAIL_WITHIN_S
+
+
+def test_status_with_an_unreadable_tls_ca_says_so_in_one_line():
+    done, seconds = rlfeed("status", env={"RLFEED_TLS_CA": "/nonexistent/ca.pem"})
+    expected = "rlfeed status: tls_ca: cannot read /nonexistent/ca.pem: No such file or directory"
+    assert_fails_in_one_line(done, seconds, 2, expected)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--tls-cert", "/nonexistent/server.pem", "--tls-key", "/nonexistent/server.key"],
+         "[security] tls_cert: /nonexistent/server.pem is not a file"),
+        (["--tls-cert", "/nonexistent/server.pem"], "tls_cert and tls_key are set together"),
+    ],
+)  # fmt: skip
+def test_serve_a_missing_tls_file_and_a_half_pair_are_both_config_errors(flags, expected):
+    done, seconds = rlfeed("serve", "--port", "0", *flags)
+    assert_fails_in_one_line(done, seconds, 2, expected)
+    assert done.stdout == ""  # before Ray, before the config print
 
 
 def test_serve_help_states_the_ray_address_precedence():
@@ -321,3 +360,61 @@ def _tagged_processes(tag: str) -> list[str]:
         except OSError:
             continue
     return left
+
+
+# --------------------------------------------------------- the scheduler dies, no journal
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def _scheduler_actor_of(serve_pid: int) -> int:
+    """The `ray::SchedulerActor` process of this `rlfeed serve`'s embedded Ray (never
+    another sidecar's: only this process's descendants are searched)."""
+    for pid in _descendants(serve_pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::SchedulerActor"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("no ray::SchedulerActor under this rlfeed serve")
+
+
+def test_serve_without_a_journal_stops_with_one_clear_message_when_the_scheduler_dies(tmp_path):
+    """SIGKILL to the scheduler actor of a sidecar without a journal: exit 1 with the one
+    message that says why, not a traceback a second while it waits to be sure."""
+    errors = tmp_path / "serve.err"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=errors.open("w"), text=True,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )  # fmt: skip
+    try:
+        for line in serve.stdout:
+            if "listening on" in line:
+                break
+        else:
+            raise AssertionError(f"rlfeed serve exited ({serve.wait()}): {errors.read_text()}")
+        os.kill(_scheduler_actor_of(serve.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        code = serve.wait(timeout=60)
+        seconds = time.monotonic() - killed
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    lines = errors.read_text().splitlines()
+    print(f"exit {code} {seconds:.1f} s after the kill; stderr ({len(lines)} lines):")
+    print("\n".join(lines))
+    assert code == 1
+    assert lines[-1] == (
+        "rlfeed serve: the scheduler actor is gone (ActorDiedError) and without [journal] dir "
+        "it cannot come back with its state; stopping"
+    )
+    assert "Traceback" not in errors.read_text()
+    assert len(lines) <= 10  # Ray's start-up notes, the watch's warning, the message
+    assert seconds < 20  # the watch waits 5 s to be sure the actor is not coming back

@@ -240,6 +240,29 @@ def _frontend_pids() -> list[int]:
 
 
 @pytest.mark.timeout(300)
+def test_two_front_ends_start_on_the_embedded_ray_with_the_default_config(tmp_path) -> None:
+    """`rlfeed serve --frontends 2` with `[ray] num_cpus` at its default 2: the embedded
+    Ray is sized for the scheduler and both front-ends (it used to place one, then wait
+    120 s in silence)."""
+    assert "num_cpus" not in exactly_once.CONFIG
+    started = time.monotonic()
+    serve = _serve_embedded(tmp_path, "--frontends", "2")
+    try:
+        lines = Lines(serve)
+        while "listening on" not in (line := lines.next(90, "rlfeed serve")):
+            pass
+        seconds = time.monotonic() - started
+        print(f"{line.strip()} after {seconds:.1f} s")
+        assert "2 front-ends as Ray actors" in line, line
+        assert seconds < 60  # Ray's start-up and two actors; never the 120 s placement wait
+        serve.terminate()
+        assert serve.wait(timeout=60) == 0
+    finally:
+        serve.kill()
+        serve.wait()
+
+
+@pytest.mark.timeout(300)
 def test_a_front_end_that_is_never_placed_stops_the_sidecar_naming_the_resource(tmp_path) -> None:
     serve = _serve_embedded(
         tmp_path,

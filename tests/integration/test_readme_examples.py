@@ -39,6 +39,22 @@ def test_readme_examples_are_complete_code_blocks():
         assert "rlfeed.client" in code
 
 
+def test_readme_runs_the_torchrun_trainer_beside_a_sidecar_cut_for_its_ranks():
+    """The commands above the examples: `rlfeed serve --world-size N` (a real flag) beside
+    `torchrun --nproc_per_node N`, the same N."""
+    from rlfeed.service.cli import build_parser
+
+    section = README.read_text().split("\n## Using it\n", 1)[1].split("<!-- producer-example", 1)[0]
+    (commands,) = re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    (serve,) = (
+        line.split("#")[0].split() for line in commands.splitlines() if "rlfeed serve" in line
+    )
+    args = build_parser().parse_args([word for word in serve[1:] if word != "&"])
+    nproc = re.search(r"torchrun .*--nproc_per_node (\d+) trainer\.py", commands)
+    assert nproc is not None and "python producer.py" in commands, commands
+    assert args.world_size == int(nproc.group(1))
+
+
 def test_readme_producer_and_trainer_run_against_a_real_sidecar(make_sidecar, monkeypatch):
     import rlfeed.client
 
@@ -107,6 +123,8 @@ def test_readme_trainer_under_torchrun_keeps_the_ranks_weights_equal(
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in (0, 1):  # each rank says how its steps went (the two ranks' lines may interleave)
+        assert re.search(rf"step 1 rank {rank}: loss -?\d+\.\d{{4}}", run.stdout), run.stdout
     from rlfeed.client.transport import GrpcTransport
 
     transport = GrpcTransport(sidecar.address)

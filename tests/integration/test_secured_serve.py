@@ -56,6 +56,8 @@ def secured_serve(tmp_path):
             if line.startswith("rlfeed serve: listening on "):
                 address = line.split()[4]
         assert address is not None, "rlfeed serve did not print its address"
+        # Whoever reads the log sees what guards the port.
+        assert line.rstrip().endswith("(embedded Ray; TLS off, mTLS off, tokens on)"), line
         yield server, address, token_file, tokens
     finally:
         server.send_signal(signal.SIGTERM)

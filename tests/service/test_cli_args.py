@@ -103,3 +103,38 @@ def test_strict_json_writes_non_finite_figures_as_null():
         "b": [1.5, None, {"c": None}],
         "d": [2, "NaN"],
     }
+
+
+@pytest.mark.parametrize(
+    ("flags", "print_config", "config_format"),
+    [
+        ([], None, "toml"),  # serve: the config printed at start-up, as TOML
+        (["--print-config"], "toml", "toml"),  # print it and exit
+        (["--print-config", "json"], "json", "toml"),
+        (["--config-format", "json"], None, "json"),  # serve, printing it as JSON
+    ],
+)
+def test_serve_print_config_is_print_and_exit_and_config_format_the_start_up_print(
+    flags, print_config, config_format
+):
+    args = build_parser().parse_args(["serve", *flags])
+    assert (args.print_config, args.config_format) == (print_config, config_format)
+
+
+def test_serve_world_size_is_a_positive_count(capsys):
+    assert build_parser().parse_args(["serve", "--world-size", "2"]).world_size == 2
+    assert build_parser().parse_args(["serve"]).world_size is None  # [batching] world_size
+    with pytest.raises(SystemExit) as usage:
+        build_parser().parse_args(["serve", "--world-size", "0"])
+    assert usage.value.code == 2
+    assert "must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_listening_line_says_what_security_is_on():
+    from rlfeed.service.security.config import SecurityConfig
+
+    assert SecurityConfig().summary() == "TLS off, mTLS off, tokens off"
+    secured = SecurityConfig(tls_cert="s.pem", tls_key="s.key", auth_token_file="tokens.txt")
+    assert secured.summary() == "TLS on, mTLS off, tokens on"
+    mutual = SecurityConfig(tls_cert="s.pem", tls_key="s.key", tls_client_ca="ca.pem")
+    assert mutual.summary() == "TLS on, mTLS on, tokens off"

@@ -3,8 +3,9 @@ gRPC server on loopback whose handlers are a FAKE servicer.
 
 - `pki` (module): two certificate authorities made with `cryptography` (EC P-256, valid
   for a day): `ca` signs the server's certificate (SAN 127.0.0.1, localhost) and a client
-  certificate; `other_ca` signs a client certificate the server must refuse. PEM files in
-  a temporary folder; no key is ever committed.
+  certificate; `other_ca` signs a client certificate the server must refuse. The server's
+  key has two more certificates from `ca`: one expired yesterday, one valid from
+  tomorrow. PEM files in a temporary folder; no key is ever committed.
 - `tokens` (module): a token file with one producer, one trainer and one admin token.
 - `secured` (module): one `grpc.server` with the `AuthInterceptor` and three ports made
   by `bind_port`: plaintext, TLS and mutual TLS. Its rlfeed.v1 handlers are the generated
@@ -43,7 +44,16 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _certificate(
-    subject: str, key, issuer: x509.Name, issuer_key, *, ca=False, usage=None, names=()
+    subject: str,
+    key,
+    issuer: x509.Name,
+    issuer_key,
+    *,
+    ca=False,
+    usage=None,
+    names=(),
+    valid_from=datetime.timedelta(minutes=-5),
+    valid_for=datetime.timedelta(days=1),
 ):
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
@@ -52,8 +62,8 @@ def _certificate(
         .issuer_name(issuer)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now + valid_from)
+        .not_valid_after(now + valid_from + valid_for)
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if usage is not None:
@@ -73,6 +83,8 @@ class Pki:
     other_ca: Path  # an unrelated CA
     other_client_cert: Path  # signed by other_ca
     other_client_key: Path
+    expired_server_cert: Path  # server_key's, signed by ca, valid until yesterday
+    future_server_cert: Path  # server_key's, signed by ca, valid from tomorrow
 
     def read(self, name: str) -> bytes:
         return getattr(self, name).read_bytes()
@@ -115,7 +127,19 @@ def pki(tmp_path_factory) -> Pki:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _certificate(name, key, ca_cert.subject, ca_key, usage=usage, names=names)
         made[name] = (key, cert, *_write(folder, name, key, cert))
+    server_key, (ca_key, ca_cert) = made["server"][0], made["ca"][:2]
+    dated = {}
+    for name, valid_from in (("expired_server", -2), ("future_server", 1)):
+        cert = _certificate(
+            "server", server_key, ca_cert.subject, ca_key,
+            usage=ExtendedKeyUsageOID.SERVER_AUTH, names=server_names,
+            valid_from=datetime.timedelta(days=valid_from),
+        )  # fmt: skip
+        dated[name] = folder / f"{name}.crt"
+        dated[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Pki(
+        expired_server_cert=dated["expired_server"],
+        future_server_cert=dated["future_server"],
         ca=made["ca"][2],
         server_cert=made["server"][2],
         server_key=made["server"][3],
