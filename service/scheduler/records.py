@@ -80,7 +80,7 @@ class IngestResult:
     stale_buffered: int = 0
     stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
     # Rollouts of earlier batches dropped by this call with their open group, the oldest,
-    # to keep memory under max_buffered_bytes (`Scheduler._admit_bytes`).
+    # to keep memory under max_buffered_bytes (`AdmissionControl._admit_bytes`).
     expired: int = 0
 
 
