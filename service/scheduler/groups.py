@@ -263,10 +263,9 @@ class GroupBook:
     def restore(self, state: dict) -> None:
         for name, target in (("open", self.open), ("complete", self.complete)):
             for group_id, task_id, rows, min_version in state[name]:
-                target[group_id] = Group(
-                    task_id, [BufferedRollout(*row) for row in rows], min_version
-                )
-                self.seen.update(row[3] for row in rows)  # the rollout id
+                buffered = [BufferedRollout(*row) for row in rows]
+                target[group_id] = Group(task_id, buffered, min_version)
+                self.seen.update(row.rollout_id for row in buffered)
         for group_id, reason, ids in state["closed"]:
             self.closed[group_id] = ClosedGroup(reason, ids)
             self.seen.update(ids)

@@ -99,8 +99,9 @@ def snapshot_state(
         return None
     payloads = parts.batches.state(batch_ref)
     steps = parts.steps.state(step_refs)
-    refs = [v[0] for v in payloads.values()] + [v[3] for v in steps.values()]
-    if any(ref is None for ref in refs):
+    batch_refs = [ref for ref, _holders, _nbytes in payloads.values()]
+    response_refs = [refs for _, _, _, refs, *_ in steps.values()]
+    if any(ref is None for ref in batch_refs + response_refs):
         return None
     groups = parts.groups.state()
     return {
