@@ -36,6 +36,7 @@ from rlfeed.service.scheduler.records import (
     StepRecord,
     StepWork,
 )
+from rlfeed.service.scheduler.snapshot import READS_STATE_VERSIONS, STATE_VERSION
 from rlfeed.service.scheduler.state import Scheduler
 
 _log = logging.getLogger("rlfeed.service.scheduler.journaled")
@@ -43,8 +44,6 @@ _log = logging.getLogger("rlfeed.service.scheduler.journaled")
 SCHEDULER_SLOT = "scheduler"  # the folder of this journal under [journal] dir
 _CALL = 1  # the one record kind: [format version, method, *arguments]
 CALL_FORMAT_VERSION = 1
-STATE_VERSION = 2  # of `Scheduler.snapshot_state`'s layout; 2 added "rounds"
-READS_STATE_VERSIONS = (1, STATE_VERSION)  # a version-1 snapshot restores with no rounds
 
 RefOf = Callable[[Any], JournalRef | None]  # a payload handle -> where its bytes are journaled
 
@@ -218,9 +217,9 @@ class JournaledScheduler(Scheduler):
             self.restore_state(snapshot.state, _unref)
             after = snapshot.position
         unstored, calls = self._replay(after)
-        self._stale_unreported = [0, 0]  # the metrics of the process that dropped them are gone
-        stored = self.held_steps(list(self._steps))  # their handles are references now
-        self._step_refs = {step: list(self._steps[step].payloads) for step in stored}
+        self._versions.take_unreported()  # the metrics of the process that dropped them are gone
+        stored = self.held_steps(self._steps.numbers())  # their handles are references now
+        self._step_refs = {step: list(self._steps.responses(step)) for step in stored}
         if snapshot is not None or calls:
             _log.info(
                 "rlfeed: scheduler rebuilt from %s and %d journaled calls: next step %d, %d "

@@ -80,7 +80,7 @@ class IngestResult:
     stale_buffered: int = 0
     stale_tokens: int = 0  # tokens of all rollouts this call dropped as stale (both kinds)
     # Rollouts of earlier batches dropped by this call with their open group, the oldest,
-    # to keep memory under max_buffered_bytes (`Scheduler._admit_bytes`).
+    # to keep memory under max_buffered_bytes (`AdmissionControl._admit_bytes`).
     expired: int = 0
 
 
@@ -303,3 +303,31 @@ class StatusSnapshot:
     notes_refused: int = 0  # front-end notes the scheduler refused: bugs (set by the actor)
     front_end_list: tuple[FrontendSeen, ...] = ()  # every front-end known (set by the actor)
     trainer_policy_version: int = -1  # the highest a trainer published; -1: none
+
+
+def checked_report(rank: int, report: dict[str, float], world_size: int) -> dict[str, float]:
+    """`typed_report(report)`, or ValueError for a rank outside [0, world_size) or a negative
+    report["step"] or report["policy_version"]: a stray rank must not grow the state or
+    the metrics."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"trainer report: field rank: {rank} is outside [0, {world_size})")
+    for name in ("step", "policy_version"):
+        if report.get(name, 0) < 0:
+            raise ValueError(f"trainer report of rank {rank}: field {name}: {report[name]} < 0")
+    return typed_report(report)
+
+
+def typed_report(report: dict[str, float]) -> dict[str, float]:
+    """A trainer report as the scheduler keeps it: `step` and `policy_version` ints, every
+    other field a float.
+
+    One place decides the types, so a report that went through a journal or a snapshot
+    (where a version before this one wrote `step` as a float) reads back as the live one:
+    status puts `step` in an integer proto field, which refuses 2.0."""
+    return {
+        name: int(value) if name in _INT_REPORT_FIELDS else float(value)
+        for name, value in report.items()
+    }
+
+
+_INT_REPORT_FIELDS = frozenset({"step", "policy_version"})

@@ -38,7 +38,7 @@ walking the buffered state: with `--no-gc` ingest was 1.7 / 1.8 / 2.1 us and
 plan_ready_steps 3.4 / 1.4 / 1.5 us per rollout. Memory: 388 bytes per buffered rollout,
 151 bytes per remembered closed one. Before this script, ingest at 1M (x1) took 85 s (85 us
 a rollout, against 4.7 s after): three per-batch costs grew with the task pool or the
-buffered groups (see `Scheduler._admit`, `_ranks_can_make_room`, `update_pass_rates`
+buffered groups (see `AdmissionControl.admit`, `ranks_can_make_room`, `update_pass_rates`
 in_place).
 """
 

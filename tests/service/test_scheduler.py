@@ -588,14 +588,14 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
 
     def check_released() -> None:
         released.extend(scheduler.take_releases()[0])
-        held = {entry[0] for entry in scheduler._payloads.values()}
+        held = {batch.handle for batch in scheduler._batches.values()}
         buffered = {
-            row[1]
-            for group in (*scheduler._open.values(), *scheduler._complete.values())
+            row.batch_key
+            for group in (*scheduler._groups.open.values(), *scheduler._groups.complete.values())
             for row in group.rows
         }
         read = {handle for _, work in unstored for handle in work.payloads.values()}
-        assert buffered <= set(scheduler._payloads), "a buffered rollout lost its payload"
+        assert buffered <= set(scheduler._batches), "a buffered rollout lost its payload"
         assert not read & set(released), "released while an unstored step reads it"
         assert not held & set(released), "released while still held"
 
@@ -612,14 +612,14 @@ def test_a_payload_is_released_once_nothing_buffered_or_unstored_reads_it(
     check_released()
     assert len(released) == len(set(released)), "a payload released twice"
     # Every accepted batch is either still held (a buffered rollout needs it) or released.
-    held = {entry[0] for entry in scheduler._payloads.values()}
+    held = {batch.handle for batch in scheduler._batches.values()}
     assert sorted(released + sorted(held)) == sorted(accepted)
     buffered = {
-        row[1]
-        for group in (*scheduler._open.values(), *scheduler._complete.values())
+        row.batch_key
+        for group in (*scheduler._groups.open.values(), *scheduler._groups.complete.values())
         for row in group.rows
     }
-    assert set(scheduler._payloads) == buffered
+    assert set(scheduler._batches) == buffered
 
 
 def test_a_fleet_lagging_the_trainers_published_version_is_dropped_as_stale() -> None:
