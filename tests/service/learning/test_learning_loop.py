@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rlfeed.service.demo.learn import LEARNING_OVERRIDES, PRODUCERS, train_policy  # noqa: E402
-from rlfeed.service.demo.processes import Running  # noqa: E402
-from rlfeed.service.learning.records import RunRecords  # noqa: E402
-from rlfeed.service.learning.run_spec import RunSpec  # noqa: E402
+from rlfeed.service.demo.learn import LEARNING_OVERRIDES, PRODUCERS, train_policy
+from rlfeed.service.demo.processes import Running
+from rlfeed.service.learning.records import RunRecords
+from rlfeed.service.learning.run_spec import RunSpec
 
 STEPS = 16
 LOGPROB_TOLERANCE = 1e-5  # float32 rounding of two forwards (KV-cached vs packed)
