@@ -25,7 +25,7 @@ import sys
 
 from rlfeed.service.cli.argtypes import ADDRESS_ENV, env_address, sidecar_address, unreachable
 
-DEFAULT_STEPS = 40  # the policy: enough for the held-out pass rate to move
+DEFAULT_STEPS = 60  # the policy: enough for the held-out pass rate to move
 DEFAULT_SYNTHETIC_STEPS = 4
 
 

@@ -20,7 +20,7 @@ from rlfeed.service.gym.tasks import VOCAB_SIZE
 
 PRODUCERS = 2
 DEFAULT_TRAIN_TASKS = 200
-DEFAULT_STEPS = 40
+DEFAULT_STEPS = 60
 # The learning demo's sidecar settings where they differ from `rlfeed serve`'s defaults:
 # two ranks, the gym's vocabulary, 16 groups of 8 per step (more groups per step is a
 # smoother gradient for the tiny model; 64 tokens of 8 x 16 rollouts stay far under the
@@ -29,7 +29,7 @@ DEFAULT_STEPS = 40
 LEARNING_OVERRIDES = {
     "server": {"port": 0},
     "batching": {"token_budget": 4096, "world_size": 2},
-    "rollouts": {"prompts_per_step": 16, "group_size": 8, "vocab_size": VOCAB_SIZE},
+    "rollouts": {"prompts_per_step": 32, "group_size": 8, "vocab_size": VOCAB_SIZE},
     "advantages": {"drop_zero_advantage": False},
 }
 

@@ -41,7 +41,7 @@ class RunSpec:
     tasks_per_round: int = 4  # tasks each producer asks the curriculum for per round
     producers: int = 2  # producer processes
     steps_ahead: int = 2  # producers stop sampling while this many steps are queued
-    lr: float = 1e-3  # the trainer's Adam learning rate
+    lr: float = 5e-4  # the trainer's Adam learning rate
     eval_every: int = 5  # held-out evaluation every this many steps (and before, after)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
