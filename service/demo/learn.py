@@ -110,14 +110,16 @@ class _Progress:
     """Prints each step once rank 0 recorded it, and the evaluation before the first."""
 
     def __init__(self, run_dir: Path, spec) -> None:
-        self.run_dir, self.spec = run_dir, spec
+        from rlfeed.service.learning.records import RunRecords
+
+        self.spec = spec
+        self.records = RunRecords.load(run_dir, spec.producers)
         self.printed = 0
         self.before_shown = False
 
     def show(self) -> None:
-        from rlfeed.service.learning.records import RunRecords
-
-        records = RunRecords.load(self.run_dir, self.spec.producers)
+        records = self.records
+        records.update()  # only what was logged since the last tick
         before = records.evals.get(self.spec.start_step)
         if before is not None and not self.before_shown:
             self.before_shown = True
@@ -160,7 +162,13 @@ def _finish(spec, run_dir, sidecar, config, status, started, summary_json) -> in
     after = records.evals[spec.end_step]["held_out"]
     diffs = [f["max_abs_logprob_diff"] for f in per_step if f["max_abs_logprob_diff"] is not None]
     split = {key: mean_of(f[key] for f in per_step) for key in _SPLIT}
+    rewards = [f["mean_reward"] for f in per_step]
+    window = max(1, min(5, len(rewards) // 2))
     extra = {
+        "training reward": (
+            f"{mean_of(rewards[:window]):.3f} -> {mean_of(rewards[-window:]):.3f} (mean of the "
+            f"first and last {window} steps' rollouts)"
+        ),
         "held-out pass rate": f"{_rates(before)} -> {_rates(after)}",
         "step-0 ratio check": (
             f"max |trainer - sampler log-prob| {per_step[0]['max_abs_logprob_diff']:.2e} "
@@ -178,7 +186,7 @@ def _finish(spec, run_dir, sidecar, config, status, started, summary_json) -> in
         f"{zero / max(groups, 1):.1%} of {groups} sampled groups "
         f"({status.counters.zero_advantage_rollouts_dropped:,} rollouts dropped)"
     )
-    steps = [record for record in records.steps]
+    steps = records.steps
     seconds = time.monotonic() - started
     lines = summary_lines(
         steps, sidecar_records, status, config, seconds, zero_advantage=zero_line, extra=extra

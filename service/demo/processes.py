@@ -104,9 +104,12 @@ class Running:
 
     def stop(self) -> None:
         self.stop_fleet.set()
+        # Every kill before any wait: a rank outliving its peer by a wait would print the
+        # peer's lost connection as a traceback.
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
+        for process in self.processes:
             process.wait()
         if self.fleet_thread is not None:
             self.fleet_thread.join(timeout=10)

@@ -30,13 +30,23 @@ from pathlib import Path
 from rlfeed.service.learning.run_spec import STEPS_FILE, producer_log
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSON-lines file another process may be appending to: a last line not
-    yet complete is left for the next read."""
-    if not Path(path).exists():
-        return []
-    lines = Path(path).read_text().split("\n")
-    return [json.loads(line) for line in lines[:-1] if line]
+class JsonLinesTail:
+    """Reads the records another process appends to a JSON-lines file, each line once: a
+    last line not yet complete is left for the next read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.offset = 0
+
+    def read_new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line]
 
 
 @dataclass
@@ -50,28 +60,37 @@ class RunRecords:
     acks: list[dict] = field(default_factory=list)  # producer flush records
     acked_at: dict[str, float] = field(default_factory=dict)  # group id -> ack time
     producers: int = 1
+    tails: list[JsonLinesTail] = field(default_factory=list, repr=False)
 
     @classmethod
     def load(cls, run_dir: Path, producers: int) -> RunRecords:
+        """What was logged so far; `update()` adds what is logged later."""
         records = cls(producers=producers)
-        for index in range(producers):
-            for entry in read_jsonl(producer_log(run_dir, index)):
+        records.tails = [JsonLinesTail(producer_log(run_dir, i)) for i in range(producers)]
+        records.tails.append(JsonLinesTail(Path(run_dir) / STEPS_FILE))
+        records.update()
+        return records
+
+    def update(self) -> None:
+        """Read what the processes logged since the last call (each line once)."""
+        *producers, steps = self.tails
+        for tail in producers:
+            for entry in tail.read_new():
                 if "acked" in entry:
-                    records.acks.append(entry)
-                    records.acked_at.update(dict.fromkeys(entry["acked"], entry["t_acked"]))
+                    self.acks.append(entry)
+                    self.acked_at.update(dict.fromkeys(entry["acked"], entry["t_acked"]))
                 else:
-                    records.groups[entry["group_id"]] = entry
-                    records.rollout_group.update(
+                    self.groups[entry["group_id"]] = entry
+                    self.rollout_group.update(
                         dict.fromkeys(entry["rollout_ids"], entry["group_id"])
                     )
-        for entry in read_jsonl(Path(run_dir) / STEPS_FILE):
+        for entry in steps.read_new():
             if "step" in entry:
-                records.steps.append(entry)
+                self.steps.append(entry)
                 if "eval" in entry:
-                    records.evals[entry["trainer_version"] + 1] = entry["eval"]
+                    self.evals[entry["trainer_version"] + 1] = entry["eval"]
             else:
-                records.evals[entry["version"]] = entry["eval"]
-        return records
+                self.evals[entry["version"]] = entry["eval"]
 
     def trained_ids(self, record: dict) -> list[str]:
         return [rid for rank in record["ranks"] for rid in rank["rollout_ids"]]
