@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rlfeed.service.demo.learn import LEARNING_OVERRIDES
 
 SUMMARY_KEYS = (
     "steps",
@@ -24,6 +25,8 @@ SUMMARY_KEYS = (
 
 
 LEARNING_KEYS = ("held-out pass rate", "step-0 ratio check", "time per step", "wall time")
+ROLLOUTS = LEARNING_OVERRIDES["rollouts"]
+STEP_ROLLOUTS = ROLLOUTS["prompts_per_step"] * ROLLOUTS["group_size"]
 STEP_FIGURES = (
     "step",
     "rollouts_trained",
@@ -85,7 +88,7 @@ def test_demo_trains_the_policy_and_prints_what_it_learned(tmp_path):
     assert [f["step"] for f in document["steps"]] == [0, 1, 2, 3, 4]
     for figures in document["steps"]:
         assert set(STEP_FIGURES) <= set(figures)
-        assert figures["rollouts_trained"] == 128 and 0 <= figures["mean_reward"] <= 1
+        assert figures["rollouts_trained"] == STEP_ROLLOUTS and 0 <= figures["mean_reward"] <= 1
     assert document["steps"][-1]["held_out_pass_rate"] == pytest.approx(float(after), abs=1e-3)
     assert document["steps"][0]["held_out_pass_rate"] is None  # not evaluated: null, not NaN
     assert document["held_out_pass_rate"]["before"]["all"] == pytest.approx(float(before), abs=1e-3)
