@@ -51,6 +51,7 @@ def train_policy(
     """Train the policy `steps` steps through the sidecar at `address`, print each step and
     the summary; the exit status (a failure's reason on stderr)."""
     from rlfeed.client.transport import GrpcTransport
+    from rlfeed.service.learning.policy import PolicyConfig
     from rlfeed.service.learning.run_spec import RunSpec
 
     running.transport = transport = GrpcTransport(address)
@@ -64,6 +65,7 @@ def train_policy(
         group_size=int(status.group_size),
         tasks_per_round=max(1, int(status.prompts_per_step) // PRODUCERS),
         producers=PRODUCERS,
+        policy=PolicyConfig(seed=seed),  # initial weights and warm start, cached per seed
     )
     print(
         f"sidecar {address}: world_size {status.world_size}, {status.prompts_per_step} "

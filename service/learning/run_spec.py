@@ -36,7 +36,7 @@ class RunSpec:
     steps: int  # steps to train
     train_tasks: int  # size of the training split (the gym's 20 or 200)
     gym_seed: int = 0  # seed of the gym's splits
-    seed: int = 0  # seed of sampling (producers) and of the policy's initial weights
+    seed: int = 0  # seed of the producers' sampling (the policy's is `policy.seed`)
     group_size: int = 8  # episodes per sampled task (the sidecar's [rollouts] group_size)
     tasks_per_round: int = 4  # tasks each producer asks the curriculum for per round
     producers: int = 2  # producer processes
