@@ -40,6 +40,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     ),
     "torch": "train",
     "matplotlib": "plot",
+    "transformers": "demo",
 }  # fmt: skip
 EXTRA_OF_COMMAND: dict[str, str] = {"demo": "all"}  # it runs a sidecar and trainer ranks
 

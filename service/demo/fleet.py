@@ -1,5 +1,5 @@
-"""A synthetic inference fleet for `rlfeed demo`: tasks with hidden pass rates, long-tailed
-episodes, binary rewards.
+"""A synthetic inference fleet for `rlfeed demo --synthetic` (and `--address`): tasks with
+hidden pass rates, long-tailed episodes, binary rewards.
 
 A task's hidden pass rate improves each time one of its groups has mixed rewards (a
 learning signal). Episodes look like an agent's: a prompt, then policy turns (mask 1)

@@ -1,4 +1,5 @@
-"""A trainer rank for `rlfeed demo`: a tiny causal transformer trained with GRPO on served steps.
+"""A trainer rank for `rlfeed demo --synthetic`: a tiny causal transformer trained with GRPO
+on served steps.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m rlfeed.service.demo.trainer --address 127.0.0.1:50051 --steps 4

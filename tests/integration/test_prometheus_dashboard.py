@@ -3,16 +3,16 @@ scraping a live sidecar.
 
 The integration test starts a real Prometheus server (Debian package `prometheus`) on a free
 loopback port with a temporary config (1 s scrape interval) and storage, and `rlfeed demo
---steps 3 --metrics-port P` as a user runs it: an embedded sidecar (Ray actor, gRPC), the
-synthetic fleet and two trainer processes, the sidecar exporting its metrics on P. Prometheus
-scrapes it while the demo trains; the moment every step was assembled and served, every
-expression found in `deploy/grafana/dashboards/rlfeed.json` is evaluated at that moment
-through `/api/v1/query`: each must return at least one sample with a finite value. The test
-also fetches `/layout.png` from the live endpoint, checks the pass-rate panel holds the
-curriculum's real estimates, and checks the demo's printed summary against the metrics
-where they overlap (steps, rollouts, tokens, padding shares, GPU-hours, rollouts saved).
-Without the binary the test is skipped, or fails when the environment variable CI is set.
-Prometheus and the demo are always torn down.
+--synthetic --steps 3 --metrics-port P` as a user runs it: an embedded sidecar (Ray actor,
+gRPC), the synthetic fleet and two trainer processes, the sidecar exporting its metrics on
+P. Prometheus scrapes it while the demo trains; the moment every step was assembled and
+served, every expression found in `deploy/grafana/dashboards/rlfeed.json` is evaluated at
+that moment through `/api/v1/query`: each must return at least one sample with a finite
+value. The test also fetches `/layout.png` from the live endpoint, checks the pass-rate
+panel holds the curriculum's real estimates, and checks the demo's printed summary against
+the metrics where they overlap (steps, rollouts, tokens, padding shares, GPU-hours, rollouts
+saved). Without the binary the test is skipped, or fails when the environment variable CI is
+set. Prometheus and the demo are always torn down.
 """
 
 from __future__ import annotations
@@ -264,11 +264,12 @@ def query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
 
 @contextlib.contextmanager
 def running_demo(tmp_path: Path, metrics_port: int, steps: int):
-    """`rlfeed demo --steps N --metrics-port P` as a user runs it; yields the Popen (its
-    output goes to tmp_path/demo.log). Interrupted like Ctrl-C if still running at the end,
-    so it stops its trainers and sidecar itself."""
+    """`rlfeed demo --synthetic --steps N --metrics-port P` as a user runs it; yields the
+    Popen (its output goes to tmp_path/demo.log). Interrupted like Ctrl-C if still running
+    at the end, so it stops its trainers and sidecar itself."""
     log = (tmp_path / "demo.log").open("w")
-    command = [sys.executable, "-m", "rlfeed.service.cli", "demo", "--steps", str(steps)]
+    command = [sys.executable, "-m", "rlfeed.service.cli", "demo", "--synthetic"]
+    command += ["--steps", str(steps)]
     process = subprocess.Popen(
         [*command, "--metrics-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT
     )
