@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 tokens_per_second=figures["tokens_per_second"],
                 step_seconds=figures["seconds"],
+                policy_version=step.step + 1,  # the fleet samples as of the steps trained
             )
             if rank == 0:
                 print(

@@ -189,6 +189,8 @@ def train(spec: RunSpec, run_dir: Path) -> None:
                 else None,
                 tokens_per_second=figures["tokens"] / max(figures["t_trained"] - served, 1e-9),
                 step_seconds=figures["t_trained"] - served,
+                # The version just published: the sidecar's max_policy_lag counts from it.
+                policy_version=version if lead else None,
             )
     finally:
         loader.close()
