@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from rlfeed.service.demo.processes import Running, start, start_ranks, terminate, wait_for
 from rlfeed.service.gym.tasks import VOCAB_SIZE
+from rlfeed.service.learning.launch import prepare, run_workers
+from rlfeed.service.learning.processes import Running
 
 PRODUCERS = 2
 DEFAULT_TRAIN_TASKS = 200
@@ -75,37 +76,13 @@ def train_policy(
     )
     prepare(spec, workdir, cache_dir)
     print(f"set-up done in {time.monotonic() - started:.1f} s", flush=True)
-    arguments = [f"--run-dir={workdir}"]
-    trainers = start_ranks("rlfeed.service.learning.trainer", arguments, int(status.world_size))
-    producer = [sys.executable, "-m", "rlfeed.service.learning.producer", *arguments]
-    producers = [start([*producer, f"--index={i}"]) for i in range(PRODUCERS)]
-    running.processes = trainers + producers
     progress = _Progress(workdir, spec)
-    failed = wait_for(trainers, watch=producers, tick=progress.show)
-    codes = terminate(producers)
-    if failed:
-        who = "a producer" if failed == [-1] else f"trainer rank(s) {failed}"
-        print(f"rlfeed demo: {who} failed", file=sys.stderr)
-        return 1
-    if any(code != 0 for code in codes):
-        print(f"rlfeed demo: producer exit codes {codes}", file=sys.stderr)
+    failure = run_workers(running, spec, workdir, int(status.world_size), tick=progress.show)
+    if failure is not None:
+        print(f"rlfeed demo: {failure}", file=sys.stderr)
         return 1
     progress.show()
     return _finish(spec, workdir, sidecar, config, transport.status(), started, summary_json)
-
-
-def prepare(spec, run_dir: Path, cache_dir: Path | None = None) -> None:
-    """The run directory: run.json, and the warm-started weights as version start_step."""
-    from rlfeed.service.gym.splits import make_split
-    from rlfeed.service.learning.policy import warm_started
-    from rlfeed.service.learning.run_spec import WEIGHTS_DIR
-    from rlfeed.service.learning.weights import WeightsPublisher
-
-    began = time.monotonic()
-    model, path = warm_started(spec.policy, make_split(spec.train_tasks, spec.gym_seed), cache_dir)
-    print(f"warm-started policy {path} ({time.monotonic() - began:.1f} s)", flush=True)
-    WeightsPublisher(run_dir / WEIGHTS_DIR).publish(spec.start_step, model.state_dict())
-    spec.write(run_dir)
 
 
 class _Progress:

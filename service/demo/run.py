@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from rlfeed.service.demo.processes import Running, start_ranks, wait_for
 from rlfeed.service.learning.pacing import should_sample, trained_steps
+from rlfeed.service.learning.processes import Running, start_ranks, wait_for
 
 # Sampled groups the fleet keeps in flight ahead of the trainers, in steps.
 STEPS_AHEAD = 2

@@ -1,5 +1,5 @@
-"""The demo's child processes: trainer ranks with torchrun's variables, producers, and the
-record of everything started so that every path stops it."""
+"""The child processes of a learning run or a demo: trainer ranks with torchrun's variables,
+producers, and the record of everything started so that every path stops it."""
 
 from __future__ import annotations
 
