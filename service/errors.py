@@ -22,6 +22,7 @@ class RejectReason(str, Enum):
     DUPLICATE_IN_BATCH = "duplicate_in_batch"  # one rollout id twice in a batch
     GROUP_OVERFLOW = "group_overflow"  # over group_size rollouts, or a group on two tasks
     BUFFER_FULL = "buffer_full"  # RESOURCE_EXHAUSTED: the buffer bound is reached
+    JOURNAL_UNWRITABLE = "journal_unwritable"  # RESOURCE_EXHAUSTED: the journal's disk fails
     OTHER = "other"
 
 
@@ -42,6 +43,18 @@ class BackpressureError(RuntimeError):
     # and validation of the batch, so retrying faster only burns its CPU, and a writer
     # that follows the hint resumes at most this late.
     retry_after_s = 0.5
+
+
+class JournalUnwritableError(RuntimeError):
+    """The front-end's journal cannot write (disk full, I/O error): the batch was not
+    taken, nothing was acknowledged. Retry later: the journal heals on its own once the
+    disk takes writes again (`service/journal`)."""
+
+    reason = RejectReason.JOURNAL_UNWRITABLE
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def rollout_error(

@@ -17,7 +17,12 @@ import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.metadata import RETRY_AFTER_MS
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason
+from rlfeed.service.errors import (
+    BackpressureError,
+    InvalidBatchError,
+    JournalUnwritableError,
+    RejectReason,
+)
 from rlfeed.service.frontend.assembler import StepAssembler
 from rlfeed.service.frontend.codec import (
     RolloutBatchArrays,
@@ -31,6 +36,7 @@ from rlfeed.service.frontend.validation import (
     unchecked_vocabulary_warning,
     validate_rollout_batch,
 )
+from rlfeed.service.journal import JournalWriteError
 from rlfeed.service.scheduler.client import IngestGroups
 from rlfeed.service.scheduler.records import (
     BatchHandle,
@@ -114,7 +120,13 @@ class RolloutIngest:
         except InvalidBatchError as exc:
             self.frontend.scheduler.record_rejection()
             self._refuse(exc, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
-        reply = self._ingest(arrays, request.arrow_ipc)
+        try:
+            reply = self._ingest(arrays, request.arrow_ipc)
+        except JournalWriteError as exc:  # nothing acknowledged; the journal heals itself
+            error = JournalUnwritableError(
+                f"rlfeed: the batch was not taken: {exc}", max(exc.retry_after_s, 0.5)
+            )
+            self._refuse(error, arrays, grpc.StatusCode.RESOURCE_EXHAUSTED, context)
         if reply.kind is IngestKind.INVALID:
             error = InvalidBatchError(reply.message, reason=reply.reason)
             self._refuse(error, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
@@ -128,14 +140,14 @@ class RolloutIngest:
 
     def _refuse(
         self,
-        error: InvalidBatchError | BackpressureError,
+        error: InvalidBatchError | BackpressureError | JournalUnwritableError,
         arrays: RolloutBatchArrays | None,
         code: grpc.StatusCode,
         context: grpc.ServicerContext,
     ) -> None:
         rollouts, tokens = (len(arrays), int(arrays.token_ids.size)) if arrays else (0, 0)
         self.frontend.events.on_reject(error, rollouts=rollouts, tokens=tokens)
-        if isinstance(error, BackpressureError):
+        if isinstance(error, BackpressureError | JournalUnwritableError):
             retry_after_ms = str(round(error.retry_after_s * 1000))
             context.set_trailing_metadata(((RETRY_AFTER_MS, retry_after_ms),))
         context.abort(code, str(error))

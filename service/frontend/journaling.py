@@ -11,18 +11,24 @@ that serves a slot after a restart finds its predecessor's records there.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from grpc_health.v1 import health, health_pb2
+from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
-from rlfeed.service.journal import Journal, JournalCorruptError
+from rlfeed.service.journal import Journal, JournalCorruptError, JournalError
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import SlotClaim
+
+_log = logging.getLogger(__name__)
 
 KIND_BATCH = 1  # an ingest batch's Arrow IPC stream, as received
 KIND_RESPONSE = 2  # one rank's serialized GetBatchResponse of a step
@@ -112,3 +118,35 @@ class SlotRetention:
         if needed is not None:
             floor = min(floor, needed)
         return len(self.journal.delete_before(floor))
+
+
+INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["RolloutIngest"].full_name
+
+
+class JournalHealth:
+    """While the front-end's journal cannot write (disk full, I/O error), ingest's health
+    is NOT_SERVING (batches are refused RESOURCE_EXHAUSTED; serving goes on) and a
+    warning says why, once; every check tries to heal the journal, so it comes back on
+    its own, with a line saying so, once the disk takes writes again."""
+
+    def __init__(self, journal: Journal, health_servicer: health.HealthServicer) -> None:
+        self.journal, self.health, self.down = journal, health_servicer, False
+
+    def __call__(self) -> None:
+        if self.journal.fault is not None:
+            with contextlib.suppress(JournalError):
+                self.journal.sync()  # heals it if the disk takes writes
+        fault = self.journal.fault
+        answer = health_pb2.HealthCheckResponse
+        if fault is not None and not self.down:
+            self.down = True
+            self.health.set(INGEST_SERVICE, answer.NOT_SERVING)
+            _log.warning(
+                "rlfeed: journal %s cannot write (%s): ingest refused until it can",
+                self.journal.directory,
+                fault,
+            )
+        elif fault is None and self.down:
+            self.down = False
+            self.health.set(INGEST_SERVICE, answer.SERVING)
+            _log.warning("rlfeed: journal %s writes again: ingest resumed", self.journal.directory)

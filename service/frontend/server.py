@@ -36,7 +36,12 @@ from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
 from rlfeed.service.frontend.codec import parse_rollout_batch
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.ingest import RolloutIngest
-from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_slot_journal
+from rlfeed.service.frontend.journaling import (
+    JournalHealth,
+    frontend_slot,
+    load_claim,
+    open_slot_journal,
+)
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
@@ -484,6 +489,7 @@ def _watch(sidecar: SidecarServer, registration: Registration) -> ActorWatch:
         rejoin=rejoin,
         on_lost=on_lost,
         maintain=(lambda: retention.trim(frontend.scheduler)) if retention else None,
+        check_journal=JournalHealth(frontend.journal, sidecar.health) if retention else None,
     )
     watch.start(frontend.scheduler.incarnation(timeout_s=30))
     return watch

@@ -113,15 +113,46 @@ class _Poll:
         self.deadline = time.monotonic() + wait
         self.local = 0 <= self.rank < frontend.config.batching.world_size
         self.timed_out = False
+        self.asked_at: float | None = None  # when this call last asked the actor
+        self.re_ask = False  # the ask now due is a re-ask (`ReAsks` coalesces them)
+        self._since = time.monotonic()  # the call's start, then its last ask
 
     def asks_actor(self, signals, re_asks: ReAsks) -> bool:
-        """A step past the newest one stored here is most likely still being produced:
-        wait for this front-end's signal first and ask the actor only once a wait times
-        out (another front-end may have stored it; answers stay correct, the actor is just
-        not asked a round trip per prefetching rank and step), and then as `ReAsks` says."""
-        if self.local and self.step > signals.newest_stored_here and not self.timed_out:
+        """Whether to ask the actor now. The actor, not this front-end's memory, says
+        which steps exist (another front-end may have stored one and its announcement be
+        lost, as across a restart): a call never answers "not ready" without having asked
+        once, nor waits longer than POLL_SECONDS without a (re-)ask being due, however
+        often other steps wake it. Within those bounds a step past the newest one stored
+        here (most likely still being produced) waits for this front-end's signal first,
+        so the actor is not asked a round trip per prefetching rank and step; and once a
+        wait timed out or is overdue, asks go through `ReAsks` (one call per step per
+        POLL_SECONDS; the actor's "not stored" to one rank is every rank's)."""
+        now = time.monotonic()
+        self.re_ask = False
+        if self.asked_at is None and now >= self.deadline:
+            return self._asking(now)  # about to answer "not ready": ask the authority first
+        overdue = self.timed_out or now - self._since >= POLL_SECONDS
+        if not overdue:  # woken by a signal (or just called)
+            if self.local and self.step > signals.newest_stored_here:
+                return False
+            return self._asking(now)
+        if not re_asks.claim(self.step):
             return False
-        return not self.timed_out or re_asks.claim(self.step)
+        self.re_ask = True
+        return self._asking(now)
+
+    def _asking(self, now: float) -> bool:
+        self.asked_at = self._since = now
+        return True
+
+    def remaining(self, signals) -> float | None:
+        """Seconds left to wait; None once the call answers "not ready" (out of time and
+        the actor asked, or the front-end stopping). Out of time but never asked: 0, so
+        the loop comes round once more and `asks_actor` asks."""
+        remaining = self.deadline - time.monotonic()
+        if signals.stopping or (remaining <= 0 and self.asked_at is not None):
+            return None
+        return max(remaining, 0.0)
 
     def not_ready(self) -> pb.GetBatchResponse:
         return pb.GetBatchResponse(ready=False, step=self.step, rank=self.rank)
@@ -154,10 +185,11 @@ class BatchServing:
                 response = self._asked_actor(poll, context)
                 if response is not None:
                     return response
-            remaining = poll.deadline - time.monotonic()
-            if remaining <= 0 or signals.stopping:
+            remaining = poll.remaining(signals)
+            if remaining is None:
                 return poll.not_ready()
-            poll.timed_out = not signals.wait(version, timeout=min(remaining, POLL_SECONDS))
+            if remaining > 0:
+                poll.timed_out = not signals.wait(version, timeout=min(remaining, POLL_SECONDS))
 
     async def GetBatchAsync(
         self, request: pb.GetBatchRequest, context
@@ -200,12 +232,13 @@ class BatchServing:
                 response = await loop.run_in_executor(None, self._asked_actor, poll, context)
                 if response is not None:
                     return response
-            remaining = poll.deadline - time.monotonic()
-            if remaining <= 0 or signals.stopping:
+            remaining = poll.remaining(signals)
+            if remaining is None:
                 return poll.not_ready()
-            poll.timed_out = not await signals.wait_async(
-                version, timeout=min(remaining, POLL_SECONDS)
-            )
+            if remaining > 0:
+                poll.timed_out = not await signals.wait_async(
+                    version, timeout=min(remaining, POLL_SECONDS)
+                )
 
     def _asked_actor(self, poll: _Poll, context) -> bytes | None:
         """`_actor_answer`; a re-ask that got an answer other than "not stored yet" makes
@@ -213,10 +246,10 @@ class BatchServing:
         try:
             response = self._actor_answer(poll.step, poll.rank, context)
         except CallEnds:
-            if poll.timed_out:
+            if poll.re_ask:
                 self._re_asked(poll.step)
             raise
-        if response is not None and poll.timed_out:
+        if response is not None and poll.re_ask:
             self._re_asked(poll.step)
         return response
 

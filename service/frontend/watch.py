@@ -33,6 +33,7 @@ class ActorWatch:
         rejoin: Callable[[], None],
         on_lost: Callable[[str], None],
         maintain: Callable[[], None] | None = None,
+        check_journal: Callable[[], None] | None = None,
         interval_s: float = 1.0,
         lost_after_s: float = 5.0,
         maintain_every_s: float = 10.0,
@@ -41,6 +42,7 @@ class ActorWatch:
         self._set_serving, self._rejoin, self._on_lost = set_serving, rejoin, on_lost
         # Periodic upkeep while the actor answers (the journal's retention).
         self._maintain, self.maintain_every_s = maintain, maintain_every_s
+        self._check_journal = check_journal  # each interval: the journal's disk (`server.py`)
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
         self.rejoins = 0  # restarts of the actor this front-end rejoined
         self._stop = threading.Event()
@@ -61,6 +63,8 @@ class ActorWatch:
         down_since: float | None = None
         maintained = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            if self._check_journal is not None:
+                self._check_journal()
             try:
                 current = self.frontend.scheduler.incarnation(timeout_s=5 * self.interval_s)
                 if current != known:

@@ -10,6 +10,7 @@ from rlfeed.service.journal.errors import (
     JournalError,
     JournalLockedError,
     JournalRangeError,
+    JournalWriteError,
 )
 from rlfeed.service.journal.journal import Journal
 from rlfeed.service.journal.records import Record
@@ -23,6 +24,7 @@ __all__ = [
     "JournalError",
     "JournalLockedError",
     "JournalRangeError",
+    "JournalWriteError",
     "Record",
     "Snapshot",
     "SnapshotStore",

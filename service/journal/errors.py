@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -35,3 +36,19 @@ class JournalLockedError(JournalError):
 
 class JournalClosedError(JournalError):
     """The journal was closed, or an earlier write or fsync failed and it stopped accepting."""
+
+
+class JournalWriteError(JournalClosedError):
+    """A write or fsync failed (disk full, I/O error): the record is not acknowledged, nor
+    any other not yet durable. Retryable: the journal drops what is not durable and tries
+    again on an append at least `retry_after_s` later, so appends succeed again, losing
+    nothing acknowledged, once the disk takes writes. `cause` is the OSError."""
+
+    def __init__(self, directory: str | os.PathLike[str], cause: OSError, retry_after_s: float):
+        self.cause, self.retry_after_s = cause, retry_after_s
+        what = os.strerror(cause.errno) if cause.errno else str(cause)
+        name = errno.errorcode.get(cause.errno or 0, "error")
+        super().__init__(
+            f"journal {os.fspath(directory)} cannot write ({name}: {what}); nothing since its "
+            f"last durable record is acknowledged; retry in {retry_after_s:g} s"
+        )

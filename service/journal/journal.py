@@ -10,6 +10,12 @@ A position is a record's sequence number: 1 for the first record ever appended, 
 for each after it, never reused (deleting segments does not renumber). Position 0 means
 "before every record". Thread-safe: appends from many threads are written one at a time,
 and with `sync = "group"` the threads whose records are waiting share one fsync.
+
+A write or fsync that fails (disk full, I/O error) fails every append not yet durable with
+`JournalWriteError` (retryable; nothing it covers was acknowledged). An append at least
+`retry_after_s` later first heals the journal: the file is cut back to its last durable
+record (with sync "none", its last whole one), synced, and appending goes on from there,
+so positions stay gap-free and nothing acknowledged is lost. Reads work throughout.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlfeed.service.journal.config import JournalConfig
-from rlfeed.service.journal.errors import JournalClosedError, JournalRangeError
+from rlfeed.service.journal.errors import (
+    JournalClosedError,
+    JournalRangeError,
+    JournalWriteError,
+)
 from rlfeed.service.journal.files import (
     DirectoryLock,
     make_private_directory,
@@ -43,6 +53,7 @@ from rlfeed.service.journal.segments import (
     delete_segments,
     read_segments,
     recover,
+    segment_path,
 )
 
 
@@ -74,7 +85,14 @@ class Journal:
         self._sync_cond = threading.Condition()  # _durable_seq, _syncing, _failure
         self._durable_seq = next_seq - 1
         self._syncing = False
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # closed: for good
+        # A failed write or fsync (healed by a later append), when, and how many heals
+        # so far (records written before one are never marked durable after it).
+        self._fault: OSError | None = None
+        self._fault_at = 0.0
+        self._epoch = 0
+        self._durable_bytes = tail_bytes  # end of the durable records of the newest segment
+        self.retry_after_s = 0.5  # an append heals a faulted journal at most this often
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], config: JournalConfig) -> Journal:
@@ -108,6 +126,11 @@ class Journal:
         return self._segments[0].base_seq
 
     @property
+    def fault(self) -> OSError | None:
+        """The failed write or fsync that appends now wait out (None: appends work)."""
+        return self._fault
+
+    @property
     def durable_position(self) -> int:
         """Every record up to this position is on stable storage."""
         return self._durable_seq
@@ -133,15 +156,17 @@ class Journal:
                     f"record of {len(payload)} bytes exceeds max_record_bytes "
                     f"({self.config.max_record_bytes})"
                 )
-        positions = [self._write(kind, payload, crc32c(payload)) for payload in payloads]
-        if self.config.sync == "group" and positions:
-            self._wait_durable(positions[-1])
-        return positions
+        written = [self._write(kind, payload, crc32c(payload)) for payload in payloads]
+        if self.config.sync == "group" and written:
+            self._wait_durable(*written[-1])
+        if len({epoch for _, epoch in written}) > 1:  # healed in between: the first ones went
+            raise JournalWriteError(self.directory, self._fault or OSError(), self.retry_after_s)
+        return [position for position, _ in written]
 
-    def _write(self, kind: int, payload: bytes, payload_crc: int) -> int:
-        """Write one record (fsynced with sync "always"); its position."""
+    def _write(self, kind: int, payload: bytes, payload_crc: int) -> tuple[int, int]:
+        """Write one record (fsynced with sync "always"); its position and epoch."""
         with self._write_lock:
-            self._check_open()
+            self._check_writable()
             record_bytes = RECORD_HEADER_BYTES + len(payload)
             has_records = self._segment_bytes > FILE_HEADER_BYTES
             seq = self._next_seq
@@ -153,20 +178,20 @@ class Journal:
                 if self.config.sync == "always":
                     sync_fd(self._fd)
             except OSError as error:
-                self._fail(error, truncate=True)
-                raise JournalClosedError(f"journal write failed: {error}") from error
+                raise self._faulted(error) from error
             self._segment_bytes += record_bytes
             self._next_seq = seq + 1
             if self.config.sync == "always":
+                self._durable_bytes = self._segment_bytes
                 self._mark_durable(seq)
-        return seq
+            return seq, self._epoch
 
     def sync(self) -> int:
         """Make every record written so far durable, whatever the policy; return its position."""
         with self._write_lock:
-            self._check_open()
-            target = self._next_seq - 1
-        self._wait_durable(target)
+            self._check_writable()
+            target, epoch = self._next_seq - 1, self._epoch
+        self._wait_durable(target, epoch)
         return target
 
     def records_after(self, position: int) -> Iterator[Record]:
@@ -211,9 +236,12 @@ class Journal:
             if self._fd < 0:
                 return
             try:
-                if self._failure is None:
+                if self._failure is None and self._fault is None:
                     sync_fd(self._fd)
                     self._mark_durable(self._next_seq - 1)
+                elif self._fault is not None:  # best effort: leave only what is durable
+                    with contextlib.suppress(OSError):
+                        self._cut_to_durable()
             finally:
                 os.close(self._fd)
                 self._fd = -1
@@ -234,34 +262,67 @@ class Journal:
         if self._failure is not None:
             raise JournalClosedError(str(self._failure)) from self._failure
 
+    def _check_writable(self) -> None:
+        """`_check_open`; with a fault, heal if `retry_after_s` passed, else raise it."""
+        self._check_open()
+        if self._fault is None:
+            return
+        if time.monotonic() - self._fault_at < self.retry_after_s:
+            raise JournalWriteError(self.directory, self._fault, self.retry_after_s)
+        try:
+            self._cut_to_durable()
+            sync_fd(self._fd)
+        except OSError as error:
+            raise self._faulted(error) from error
+        with self._sync_cond:
+            self._fault = None
+            self._sync_cond.notify_all()
+
+    def _cut_to_durable(self) -> None:
+        """Cut what a failure left unacknowledged: after the last durable record (sync
+        "none": after the last whole one, which its appends acknowledged); a new epoch."""
+        if self.config.sync != "none":
+            self._segment_bytes = self._durable_bytes
+            self._next_seq = self._durable_seq + 1
+        os.ftruncate(self._fd, self._segment_bytes)
+        os.lseek(self._fd, self._segment_bytes, os.SEEK_SET)
+        self._epoch += 1
+
+    def _faulted(self, error: OSError) -> JournalWriteError:
+        """Note a failed write or fsync (waiters of records not durable fail); the error
+        to raise."""
+        with self._sync_cond:
+            self._fault, self._fault_at = error, time.monotonic()
+            self._sync_cond.notify_all()
+        return JournalWriteError(self.directory, error, self.retry_after_s)
+
     def _roll(self) -> None:
         """Close the full segment (synced: only the newest may hold a torn write), start one."""
         sync_fd(self._fd)
+        self._durable_bytes = self._segment_bytes
         self._mark_durable(self._next_seq - 1)
-        segment = create_segment(self.directory, self._next_seq)
-        fd = os.open(segment.path, os.O_WRONLY)
-        os.lseek(fd, FILE_HEADER_BYTES, os.SEEK_SET)
+        path = segment_path(self.directory, self._next_seq)
+        try:
+            segment = create_segment(self.directory, self._next_seq)
+            fd = os.open(segment.path, os.O_WRONLY)
+            os.lseek(fd, FILE_HEADER_BYTES, os.SEEK_SET)
+        except OSError:  # no stray segment: a heal may give its first number to another
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         os.close(self._fd)
         self._fd, self._segment_bytes = fd, FILE_HEADER_BYTES
+        self._durable_bytes = FILE_HEADER_BYTES
         self._segments.append(segment)
-
-    def _fail(self, error: OSError, truncate: bool) -> None:
-        """Stop accepting: after a failed write or fsync the file's state is unknown."""
-        if truncate:
-            # Best effort: leave no half record for the next start to classify.
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._segment_bytes)
-        with self._sync_cond:
-            self._failure = error
-            self._sync_cond.notify_all()
 
     def _mark_durable(self, seq: int) -> None:
         with self._sync_cond:
             self._durable_seq = max(self._durable_seq, seq)
             self._sync_cond.notify_all()
 
-    def _wait_durable(self, seq: int) -> None:
-        """Return once record `seq` is durable (called without _write_lock).
+    def _wait_durable(self, seq: int, epoch: int) -> None:
+        """Return once record `seq`, written in `epoch`, is durable (called without
+        _write_lock); JournalWriteError if a failure came first.
 
         Group commit: the first waiter becomes the leader, lets the configured window pass
         so more appends can join, then fsyncs everything written so far; the others wait
@@ -269,10 +330,16 @@ class Journal:
         """
         with self._sync_cond:
             while True:
+                if epoch != self._epoch:  # healed since: the record was cut
+                    raise JournalWriteError(
+                        self.directory, self._fault or OSError(), self.retry_after_s
+                    )
                 if self._durable_seq >= seq:
                     return
                 if self._failure is not None:
                     raise JournalClosedError(str(self._failure)) from self._failure
+                if self._fault is not None:
+                    raise JournalWriteError(self.directory, self._fault, self.retry_after_s)
                 if not self._syncing:
                     self._syncing = True
                     break
@@ -284,16 +351,27 @@ class Journal:
                 if self._durable_seq >= seq:  # close() synced it meanwhile
                     return
                 self._check_open()
-                target = self._next_seq - 1
+                if self._fault is not None or epoch != self._epoch:
+                    raise JournalWriteError(
+                        self.directory, self._fault or OSError(), self.retry_after_s
+                    )
+                target, size, segments = (
+                    self._next_seq - 1,
+                    self._segment_bytes,
+                    len(self._segments),
+                )
                 fd = os.dup(self._fd)  # a roll may close self._fd while this one syncs
             try:
                 sync_fd(fd)
             except OSError as error:
-                self._fail(error, truncate=False)
-                raise JournalClosedError(f"journal fsync failed: {error}") from error
+                raise self._faulted(error) from error
             finally:
                 os.close(fd)
-            self._mark_durable(target)
+            with self._write_lock:
+                if epoch == self._epoch:  # what the fsync covered is durable, fault or not
+                    if segments == len(self._segments):  # else a roll synced it all
+                        self._durable_bytes = max(self._durable_bytes, size)
+                    self._mark_durable(target)
         finally:
             with self._sync_cond:
                 self._syncing = False

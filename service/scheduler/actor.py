@@ -10,6 +10,7 @@ as Ray-wrapped exceptions.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -88,7 +89,9 @@ class SchedulerActor:
         self._orphaned: set[str] = set()  # front-ends declared dead: their calls are refused
         self._restarting: dict[str, tuple[str, _FrontEnd]] = {}  # slot -> the dead one
         if config.journal.dir:
-            self._scheduler = JournaledScheduler(config, Path(config.journal.dir), self._ref_of)
+            self._scheduler = JournaledScheduler(
+                config, Path(config.journal.dir), self._ref_of, on_write_failure=_fail_stop
+            )
             self._recovered_work = self._scheduler.recovered_work
         else:
             self._scheduler = Scheduler(config, track_releases=True)
@@ -420,6 +423,14 @@ class SchedulerActor:
 # Ray's resource of the head node: an actor asking a sliver of it runs there (Ray's own
 # state actors are placed so).
 HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def _fail_stop(error: Exception) -> None:
+    """The scheduler's journal cannot write: exit this actor's process at once, so that
+    Ray restarts it from the journal (what it answered is all there; the call that failed
+    was not answered). Calls meanwhile get UNAVAILABLE and are retried by the clients."""
+    _log.critical("rlfeed: the scheduler's journal cannot write (%s): restarting from it", error)
+    os._exit(70)
 
 
 def create_scheduler_actor(config: SidecarConfig, on_head: bool = False) -> ray.actor.ActorHandle:

@@ -18,6 +18,7 @@ is such a reference; the front-end of each slot loads what its slot holds
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.journal import Journal, JournalConfig, SnapshotStore
+from rlfeed.service.journal import Journal, JournalConfig, JournalError, SnapshotStore
 from rlfeed.service.scheduler.records import (
     BatchMeta,
     FetchResult,
@@ -60,10 +61,22 @@ class JournaledScheduler(Scheduler):
     """A Scheduler that journals its calls (see the module docstring). `ref_of` names where
     a payload handle's bytes are journaled; the actor knows each front-end's slot."""
 
-    def __init__(self, config: SidecarConfig, directory: Path, ref_of: RefOf) -> None:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        directory: Path,
+        ref_of: RefOf,
+        on_write_failure: Callable[[JournalError], None] | None = None,
+    ) -> None:
         super().__init__(config, track_releases=True)
         storage = _storage_config(config.journal)
         self._journal = Journal.open(directory / SCHEDULER_SLOT, storage)
+        # A call whose record failed has changed the state in memory already: this state
+        # never goes on from there (the journal would miss the call). The journal is not
+        # healed in place; `on_write_failure` (the actor: exit, so that Ray restarts it
+        # from the journal) runs, else the error is raised and every later call fails.
+        self._journal.retry_after_s = math.inf
+        self._on_write_failure = on_write_failure
         self._snapshots = SnapshotStore(directory / SCHEDULER_SLOT, config.journal)
         self._durable = config.journal.sync != "none"
         self._snapshot_every = config.journal.snapshot_every_records
@@ -78,8 +91,16 @@ class JournaledScheduler(Scheduler):
     def _record(self, method: str, *args: Any) -> None:
         if not self._replaying:
             body = msgpack.packb([CALL_FORMAT_VERSION, method, *args], use_bin_type=True)
-            self._journal.append(_CALL, body)
+            try:
+                self._journal.append(_CALL, body)
+            except JournalError as error:
+                self._write_failed(error)
             self._since_snapshot += 1
+
+    def _write_failed(self, error: JournalError) -> None:
+        if self._on_write_failure is not None:
+            self._on_write_failure(error)
+        raise error
 
     def commit(self) -> None:
         """Make every call recorded so far durable (per `[journal] sync`): the actor calls
@@ -87,7 +108,10 @@ class JournaledScheduler(Scheduler):
         calls, also snapshot the state and delete the records the older kept snapshot
         covers (tried again at each commit while a step waits to be stored)."""
         if self._durable:
-            self._journal.sync()
+            try:
+                self._journal.sync()
+            except JournalError as error:
+                self._write_failed(error)
         if self._since_snapshot >= self._snapshot_every:
             self.snapshot()
 

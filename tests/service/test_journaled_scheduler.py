@@ -305,3 +305,41 @@ def test_the_trainers_published_version_survives_a_restart(tmp_path, snapshot_ev
     )
     assert (result.accepted, result.stale) == (0, 4)  # 2 < 4 - max_policy_lag
     rebuilt.close()
+
+
+def test_a_record_that_cannot_be_written_stops_the_scheduler_for_a_restart_from_it(
+    tmp_path, monkeypatch
+) -> None:
+    """Disk full under the scheduler's journal: the call changed the state in memory but
+    its record failed, so this scheduler never goes on (the actor exits, and Ray restarts
+    it from the journal): `on_write_failure` gets the error naming the cause, and every
+    later call fails even once the disk takes writes again. A scheduler rebuilt from the
+    journal has what was journaled, and writes on."""
+    import errno
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "faulty_disk", Path(__file__).parent / "journal" / "faulty_disk.py"
+    )
+    faulty_disk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(faulty_disk)
+    disk = faulty_disk.FaultyDisk(monkeypatch)
+    config = with_overrides(_config(tmp_path), journal={"sync": "group"})
+    failures: list[Exception] = []
+    scheduler = JournaledScheduler(config, tmp_path, _ref_of, on_write_failure=failures.append)
+    assert scheduler.register_tasks(["a"]) == (1, 1)
+    scheduler.commit()
+    disk.fail(errno.ENOSPC)
+    with pytest.raises(Exception, match="ENOSPC"):
+        scheduler.register_tasks(["b"])
+    assert len(failures) == 1 and "ENOSPC" in str(failures[0])
+    disk.heal()
+    with pytest.raises(Exception, match="ENOSPC"):  # not healed in place: the state diverged
+        scheduler.register_tasks(["c"])
+    scheduler.close()
+    again = JournaledScheduler(config, tmp_path, _ref_of)
+    assert again.status().tasks_total == 1  # "a": what was journaled, not "b"
+    assert again.register_tasks(["b"]) == (1, 2)
+    again.commit()
+    again.close()
