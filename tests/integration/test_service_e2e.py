@@ -571,7 +571,8 @@ def test_rlfeed_serve_joins_a_running_ray_cluster_and_leaves_it_running(tmp_path
             env={**auth, "RAY_ADDRESS": gcs_address},
         )
         listening = _listening_line(server)
-        assert f"(Ray at {gcs_address} from RAY_ADDRESS)" in listening, listening
+        security = "TLS off, mTLS off, tokens off"
+        assert f"(Ray at {gcs_address} from RAY_ADDRESS; {security})" in listening, listening
         address = listening.split()[4]
         shown = _rlfeed("status", "--address", address, "--json")
         assert shown.returncode == 0 and json.loads(shown.stdout)["health"] == "SERVING"
