@@ -225,8 +225,10 @@ def _resolved_config(args: argparse.Namespace):
 def _check_files(config) -> None:
     """The `[security]` files, read before Ray starts (a missing file, a certificate and
     key that are no pair, an expired certificate): exit 2, as for any bad config."""
+    from rlfeed.service.security.files import check_files
+
     try:
-        config.security.check_files()
+        check_files(config.security)
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
 

@@ -30,6 +30,7 @@ from rlfeed.client.allocator import retain_freed_memory
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.config.scaleout import embedded_cpus
 from rlfeed.service.frontend.aio_host import AioServerThread
 from rlfeed.service.frontend.assembler import StepAssembler
 from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
@@ -40,7 +41,6 @@ from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_s
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
-from rlfeed.service.frontends.config import embedded_cpus
 from rlfeed.service.replicas.handover import PeerQueries, hand_over
 from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor

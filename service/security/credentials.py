@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 import grpc
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 
 _log = logging.getLogger(__name__)
 
