@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal, JournalCorruptError
 from rlfeed.service.scheduler.client import SchedulerClient

@@ -29,12 +29,12 @@ from grpc_reflection.v1alpha import reflection
 from rlfeed.client.allocator import retain_freed_memory
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.codec.messages import parse_rollout_batch
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.config.scaleout import embedded_cpus
 from rlfeed.service.frontend.aio_host import AioServerThread
 from rlfeed.service.frontend.assembler import StepAssembler
 from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
-from rlfeed.service.frontend.codec import parse_rollout_batch
 from rlfeed.service.frontend.events import ServerEvents
 from rlfeed.service.frontend.ingest import RolloutIngest
 from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_slot_journal
