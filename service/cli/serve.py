@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(config, args.config_format), flush=True)
         _retain_freed_memory(config)
         if config.frontends.count:
-            from rlfeed.service.cli.serve_actors import serve_frontend_actors
+            from rlfeed.service.scaleout.driver import serve_frontend_actors
 
             code = serve_frontend_actors(config, args.ray_address, _describe_ray(args), stop)
             print("rlfeed serve: stopped", flush=True)
@@ -291,7 +291,7 @@ def _started_sidecar(config, args: argparse.Namespace, exporter):
 def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exporter) -> int:
     """Start the other front-ends, announce, serve until stopped (the exit status); the
     replicas, the exporter and the sidecar are stopped on every path."""
-    from rlfeed.service.replicas.processes import start_replicas
+    from rlfeed.service.scaleout.processes import start_replicas
 
     replicas = None
     try:

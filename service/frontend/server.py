@@ -36,13 +36,13 @@ from rlfeed.service.frontend.aio_host import AioServerThread
 from rlfeed.service.frontend.assembler import StepAssembler
 from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
 from rlfeed.service.frontend.events import ServerEvents
+from rlfeed.service.frontend.handover import PeerQueries, hand_over
 from rlfeed.service.frontend.ingest import RolloutIngest
 from rlfeed.service.frontend.journaling import frontend_slot, load_claim, open_slot_journal
+from rlfeed.service.frontend.peers import peer_handler
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
-from rlfeed.service.replicas.handover import PeerQueries, hand_over
-from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor
 from rlfeed.service.security.interceptor import peer_interceptor
 from rlfeed.service.security.server_security import ServerSecurity

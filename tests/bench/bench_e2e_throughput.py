@@ -367,7 +367,7 @@ def run_e2e(case: Case, options: Options) -> dict:
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.frontend.events import ServerEvents
     from rlfeed.service.frontend.server import start_server
-    from rlfeed.service.replicas.processes import start_replicas
+    from rlfeed.service.scaleout.processes import start_replicas
 
     first_timed = options.first_timed_step(case)
     replicas = options.replicas

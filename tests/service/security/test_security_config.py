@@ -115,7 +115,7 @@ def test_server_security_builds_binds_and_describes(pki, tokens, fake_servicer):
 def test_the_peer_map_names_the_methods_the_peer_service_serves():
     from collections import namedtuple
 
-    from rlfeed.service.replicas import peers
+    from rlfeed.service.frontend import peers
     from rlfeed.service.security.roles import PEER_METHODS, PEER_SERVICE, peer_method_roles
 
     assert peers.PEER_SERVICE == PEER_SERVICE
