@@ -123,7 +123,7 @@ FOLDER_ARROWS: dict[str, set[str]] = {
     "service/errors.py": set(),
     "service/interrupts.py": set(),
     "service/journal": {"service/config"},
-    "service/security": {"proto", "service/config"},
+    "service/security": {"client", "proto", "service/config"},
     "service/scheduler": {"sched", "service/config", "service/errors.py", "service/journal"},
     "service/codec": {
         "proto",
