@@ -151,6 +151,16 @@ def _ip_list(address: str, entries: list[str], version: int | None) -> tuple[str
     return tuple(hosts)
 
 
+def host_is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP address, IPv6 without brackets) is this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_address(text: str) -> SidecarTarget:
     """`text` as a sidecar target (module docstring). ValueError naming the address and,
     in a list, the bad entry: no port (gRPC would dial 443), a port outside 1-65535, a

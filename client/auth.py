@@ -27,7 +27,6 @@ is kept out of `repr`, logs and error messages.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import os
 from collections.abc import Mapping
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfeed.client.addressing import SidecarTarget, parse_address, tls_name
+from rlfeed.client.addressing import SidecarTarget, host_is_loopback, parse_address, tls_name
 
 _log = logging.getLogger(__name__)
 
@@ -127,16 +126,7 @@ def _is_loopback(target: SidecarTarget) -> bool:
     """Every host the target names is this machine (a unix: socket is)."""
     if target.address.startswith("unix"):
         return True
-    return bool(target.hosts) and all(_host_is_loopback(host) for host in target.hosts)
-
-
-def _host_is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return bool(target.hosts) and all(host_is_loopback(host) for host in target.hosts)
 
 
 _CallDetails = collections.namedtuple(

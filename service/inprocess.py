@@ -20,12 +20,12 @@ from rlfeed.client.transport import (
 )
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import TokenColumns
+from rlfeed.service.codec.materialize import materialize_work
+from rlfeed.service.codec.messages import status_to_proto
+from rlfeed.service.codec.request_checks import check_task_ids, trainer_report_of
+from rlfeed.service.codec.rollout_batch import ack_of, batch_meta, decode_batch, validate_batch
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
-from rlfeed.service.frontend.codec import status_to_proto
-from rlfeed.service.frontend.ingest import ack_of, batch_meta, decode_batch, validate_batch
-from rlfeed.service.frontend.materialize import materialize_work
-from rlfeed.service.frontend.requests import check_task_ids, trainer_report_of
 from rlfeed.service.scheduler.state import Scheduler
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import ROLLOUT_SCHEMA
-from rlfeed.service.frontend.codec import decode_microbatch
+from rlfeed.service.codec.messages import decode_microbatch
 from rlfeed.service.scheduler.records import StepRecord
 
 

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(config, args.config_format), flush=True)
         _retain_freed_memory(config)
         if config.frontends.count:
-            from rlfeed.service.cli.serve_actors import serve_frontend_actors
+            from rlfeed.service.scaleout.driver import serve_frontend_actors
 
             code = serve_frontend_actors(config, args.ray_address, _describe_ray(args), stop)
             print("rlfeed serve: stopped", flush=True)
@@ -225,8 +225,10 @@ def _resolved_config(args: argparse.Namespace):
 def _check_files(config) -> None:
     """The `[security]` files, read before Ray starts (a missing file, a certificate and
     key that are no pair, an expired certificate): exit 2, as for any bad config."""
+    from rlfeed.service.security.files import check_files
+
     try:
-        config.security.check_files()
+        check_files(config.security)
     except (OSError, ValueError) as exc:
         raise _fail(2, exc) from None
 
@@ -289,7 +291,7 @@ def _started_sidecar(config, args: argparse.Namespace, exporter):
 def _serve(config, args: argparse.Namespace, stop: threading.Event, sidecar, exporter) -> int:
     """Start the other front-ends, announce, serve until stopped (the exit status); the
     replicas, the exporter and the sidecar are stopped on every path."""
-    from rlfeed.service.replicas.processes import start_replicas
+    from rlfeed.service.scaleout.processes import start_replicas
 
     replicas = None
     try:

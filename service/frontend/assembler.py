@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import ray
 from rlfeed.sched.assembly import TokenColumns
+from rlfeed.service.codec.materialize import materialize_work
 from rlfeed.service.frontend.journaling import KIND_RESPONSE
-from rlfeed.service.frontend.materialize import materialize_work
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.scheduler.records import (
     BatchHandle,

@@ -9,7 +9,7 @@ request is read:
   poll, another unary call, GetStatus) in all and for its client address, or answers
   RESOURCE_EXHAUSTED at once naming the `[server]` cap. An idle stream or a stalled long
   poll thus holds one slot of a bounded kind, and the handler threads the caps leave free
-  always serve GetStatus and health (`server_config.py`);
+  always serve GetStatus and health (`config/server.py`);
 - each wait for a request message is timed: past `request_idle_timeout_s` the call is
   cancelled (`IdleWatch`), so a stream that sends nothing or a unary call whose message
   never comes gives its slot and thread back;
@@ -41,8 +41,8 @@ from enum import Enum
 from typing import Any
 
 import grpc
+from rlfeed.service.config.server import STATUS_SLOTS, ServerConfig
 from rlfeed.service.security.interceptor import HEALTH_PREFIX
-from rlfeed.service.server_config import STATUS_SLOTS, ServerConfig
 
 _log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Ingest: the RolloutIngest and TaskSampling handlers, and the decode → validate → ack
-path they share with the in-process transport.
+"""Ingest: the RolloutIngest and TaskSampling handlers (the decode → validate → ack path
+they share with the in-process transport is `service/codec/rollout_batch.py`).
 
 A batch is decoded and validated on the handler thread (vectorized numpy), its columns
 stay in this front-end's memory under a key, and the actor gets one small call with the
@@ -13,85 +13,35 @@ import logging
 import time
 
 import grpc
-import numpy as np
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.metadata import RETRY_AFTER_MS
-from rlfeed.service.config import SidecarConfig
+from rlfeed.service.codec.messages import (
+    RolloutBatchArrays,
+    RolloutBatchView,
+)
+from rlfeed.service.codec.request_checks import check_task_ids
+from rlfeed.service.codec.rollout_batch import ack_of, batch_meta, decode_batch, validate_batch
+from rlfeed.service.codec.validation import (
+    unchecked_vocabulary_warning,
+)
 from rlfeed.service.errors import (
     BackpressureError,
     InvalidBatchError,
     JournalUnwritableError,
-    RejectReason,
 )
 from rlfeed.service.frontend.assembler import StepAssembler
-from rlfeed.service.frontend.codec import (
-    RolloutBatchArrays,
-    RolloutBatchView,
-    decode_rollout_batch,
-)
 from rlfeed.service.frontend.journaling import KIND_BATCH
-from rlfeed.service.frontend.requests import check_task_ids
 from rlfeed.service.frontend.state import FrontendState, admitted, unavailable_when_ray_fails
-from rlfeed.service.frontend.validation import (
-    unchecked_vocabulary_warning,
-    validate_rollout_batch,
-)
 from rlfeed.service.journal import JournalWriteError
 from rlfeed.service.scheduler.client import IngestGroups
 from rlfeed.service.scheduler.records import (
     BatchHandle,
-    BatchMeta,
     IngestKind,
     IngestReply,
-    IngestResult,
     Refused,
 )
 
 _log = logging.getLogger(__name__)
-
-
-def decode_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
-    """The batch's arrays; InvalidBatchError (MALFORMED) if they cannot be read."""
-    try:
-        return decode_rollout_batch(payload)
-    except ValueError as exc:  # the codec's errors: the payload itself is malformed
-        raise InvalidBatchError(str(exc), reason=RejectReason.MALFORMED) from None
-
-
-def validate_batch(arrays: RolloutBatchArrays, config: SidecarConfig) -> None:
-    """InvalidBatchError (with its reason) for what the contract refuses before the
-    scheduler sees the batch."""
-    validate_rollout_batch(
-        arrays,
-        token_budget=config.batching.token_budget,
-        vocab_size=config.rollouts.vocab_size,
-        max_rollouts=config.server.max_ids_per_call,
-        max_id_bytes=config.server.max_id_bytes,
-    )
-
-
-def batch_meta(arrays: RolloutBatchArrays) -> BatchMeta:
-    """The per-rollout metadata the scheduler needs (the small part of a batch)."""
-    return BatchMeta(
-        rollout_ids=arrays.rollout_ids,
-        task_ids=arrays.task_ids,
-        group_ids=arrays.group_ids,
-        policy_versions=np.asarray(arrays.policy_versions, dtype=np.int64),
-        rewards=np.asarray(arrays.rewards, dtype=np.float64),
-        lengths=arrays.lengths.astype(np.int64),
-        policy_tokens=arrays.policy_tokens,
-    )
-
-
-def ack_of(sequence: int, result: IngestResult) -> pb.SubmitAck:
-    return pb.SubmitAck(
-        sequence=sequence,
-        accepted=result.accepted,
-        duplicate=result.duplicate,
-        stale=result.stale,
-        newest_policy_version=result.newest_policy_version,
-        buffered_rollouts=result.buffered_rollouts,
-    )
 
 
 class RolloutIngest:

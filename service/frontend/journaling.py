@@ -21,8 +21,8 @@ from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal, JournalCorruptError, JournalError
 from rlfeed.service.scheduler.client import SchedulerClient

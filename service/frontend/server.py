@@ -1,4 +1,4 @@
-"""One front-end's gRPC servers: start-up, handler registration and the one shutdown path.
+"""One front-end's start-up and its one shutdown.
 
 `start_server(config)` brings up (or joins) Ray and the scheduler actor, the front-end's
 parts (`FrontendState`, `StepAssembler`, `RolloutIngest`, `BatchServing`, `PeerQueries`)
@@ -6,35 +6,32 @@ and the public port's asyncio gRPC server (`aio_host.AioServerThread`: a waiting
 holds no thread; the other handlers run in its thread pool) with the four rlfeed.v1
 services, health and (if allowed) reflection, behind `[security]` (TLS, mTLS, role tokens:
 `service/security/README.md`) and the `[server]` limits on what a call may hold
-(`call_guard`). The peer port (other front-ends only) stays a threaded `grpc.server`.
-`SidecarServer.stop()` is the one teardown. How the parts cooperate: `README.md` here.
+(`call_guard`); the peer port (other front-ends only) stays a threaded `grpc.server`
+(both built in `ports.py`). Each resource registers its closer on one `ExitStack` as it
+is acquired: a failed start-up, `SidecarServer.stop()` and `abandon()` all unwind it.
+How the parts cooperate: `README.md` here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import itertools
 import logging
 import signal
-import socket
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from rlfeed.client.allocator import retain_freed_memory
-from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config import SidecarConfig
+from rlfeed.service.config.scaleout import embedded_cpus
+from rlfeed.service.frontend import ports
 from rlfeed.service.frontend.aio_host import AioServerThread
 from rlfeed.service.frontend.assembler import StepAssembler
-from rlfeed.service.frontend.call_guard import AioCallGuard, CallGuard
-from rlfeed.service.frontend.codec import parse_rollout_batch
+from rlfeed.service.frontend.call_guard import CallGuard
 from rlfeed.service.frontend.events import ServerEvents
+from rlfeed.service.frontend.handover import PeerQueries, hand_over
 from rlfeed.service.frontend.ingest import RolloutIngest
 from rlfeed.service.frontend.journaling import (
     JournalHealth,
@@ -42,68 +39,14 @@ from rlfeed.service.frontend.journaling import (
     load_claim,
     open_slot_journal,
 )
+from rlfeed.service.frontend.ports import SERVICE_NAMES, check_port_free, start_peer_server
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
-from rlfeed.service.frontends.config import embedded_cpus
-from rlfeed.service.replicas.handover import PeerQueries, hand_over
-from rlfeed.service.replicas.peers import peer_handler
 from rlfeed.service.scheduler.actor import create_scheduler_actor
-from rlfeed.service.security.interceptor import peer_interceptor
 from rlfeed.service.security.server_security import ServerSecurity
 
 _log = logging.getLogger("rlfeed.service.frontend.server")
-SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
-_server_numbers = itertools.count()  # names each public server's threads apart
-
-
-def _pass_through(message: bytes | pb.GetBatchResponse) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def _rollout_ingest_handler(ingest: RolloutIngest) -> grpc.GenericRpcHandler:
-    """RolloutIngest registered by hand: a batch's Arrow payload is read in place from the
-    request bytes (`parse_rollout_batch`), not copied into a message and out again."""
-    return grpc.method_handlers_generic_handler(
-        "rlfeed.v1.RolloutIngest",
-        {
-            "SubmitRollouts": grpc.stream_stream_rpc_method_handler(
-                ingest.SubmitRollouts,
-                request_deserializer=parse_rollout_batch,
-                response_serializer=pb.SubmitAck.SerializeToString,
-            ),
-            "SubmitRolloutBatch": grpc.unary_unary_rpc_method_handler(
-                ingest.SubmitRolloutBatch,
-                request_deserializer=parse_rollout_batch,
-                response_serializer=pb.SubmitAck.SerializeToString,
-            ),
-        },
-    )
-
-
-def _batch_serving_handler(serving: BatchServing, *, waits_on_loop: bool) -> grpc.GenericRpcHandler:
-    """BatchServing registered by hand: GetBatch returns stored bytes as they are. With
-    `waits_on_loop` (the asyncio server), GetBatch is the coroutine form."""
-    return grpc.method_handlers_generic_handler(
-        "rlfeed.v1.BatchServing",
-        {
-            "GetBatch": grpc.unary_unary_rpc_method_handler(
-                serving.GetBatchAsync if waits_on_loop else serving.GetBatch,
-                request_deserializer=pb.GetBatchRequest.FromString,
-                response_serializer=_pass_through,
-            ),
-            "AckSteps": grpc.unary_unary_rpc_method_handler(
-                serving.AckSteps,
-                request_deserializer=pb.AckStepsRequest.FromString,
-                response_serializer=pb.AckStepsResponse.SerializeToString,
-            ),
-            "ReportTrainerMetrics": grpc.unary_unary_rpc_method_handler(
-                serving.ReportTrainerMetrics,
-                request_deserializer=pb.TrainerReport.FromString,
-                response_serializer=pb.TrainerReportAck.SerializeToString,
-            ),
-        },
-    )
 
 
 @dataclass(frozen=True)
@@ -121,8 +64,22 @@ class Registration:
 
 
 @dataclass
+class _Teardown:
+    """How a front-end lets go of what it holds; each closer reads it as it runs."""
+
+    grace: float = 0.0  # seconds calls in flight may take to finish
+    graceful: bool = False  # stop(): drain, hand over, unregister; else a failed start-up
+    abandon: bool = False  # the actor and Ray are gone: say nothing to them
+    handed_over: bool = False  # set by the hand-over closer of a replica
+
+
+@dataclass
 class SidecarServer:
-    """A running sidecar: `address` is "host:port"; `stop()` is idempotent."""
+    """A running sidecar: `address` is "host:port"; `stop()` is idempotent.
+
+    Every resource start-up acquires registers its closer on `_closers` as it is acquired,
+    so start-up that fails, `stop()` and `abandon()` are one unwinding, in reverse order
+    of acquisition, with `_teardown` saying how."""
 
     config: SidecarConfig
     port: int
@@ -135,16 +92,16 @@ class SidecarServer:
     health: health.HealthServicer
     actor: ray.actor.ActorHandle
     started_ray: bool
-    watch: ActorWatch | None = None
+    watch: ActorWatch
+    registration: Registration  # what it tells the actor, again after the actor restarts
+    _closers: contextlib.ExitStack = field(repr=False)
+    _teardown: _Teardown = field(repr=False)
     # Set when the scheduler actor is gone for good (no journal to come back from): the
     # process should exit non-zero (`rlfeed serve` does), `lost_reason` says why.
     lost: threading.Event = field(default_factory=threading.Event)
     lost_reason: str = ""
     owns_actor: bool = True  # False for a replica that joined another front-end's actor
     peer_server: grpc.Server | None = None  # the other front-ends' way in
-    # A replica that stopped: whether it handed its data over (`replicas.handover`;
-    # also true when the whole sidecar was stopping and nothing needed keeping).
-    handed_over: bool = False
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -153,41 +110,18 @@ class SidecarServer:
 
     @property
     def public_address(self) -> str:
-        return _public_address(self.config, self.port)
+        return ports.public_address(self.config, self.port)
+
+    @property
+    def handed_over(self) -> bool:
+        """A replica that stopped: whether it handed its data over (`handover.py`)."""
+        return self._teardown.handed_over
 
     def stop(self, grace: float = 2.0) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        try:
-            if self.watch is not None:
-                self.watch.stop()
-            self.health.enter_graceful_shutdown()
-            self.frontend.signals.stop()  # answers waiting GetBatch calls now
-            self.assembler.stop()
-            self.server.stop(grace).wait(grace + 1.0)
-            self.guard.stop()
-            if not self.owns_actor:  # the sidecar runs on with what this replica holds
-                try:
-                    hand_over(self.frontend, self.assembler)
-                    self.handed_over = True
-                except Exception:  # its data is lost: the caller reports the replica failed
-                    _log.exception("rlfeed: this front-end could not hand its data over")
-            if self.peer_server is not None:
-                self.peer_server.stop(grace).wait(grace + 1.0)
-            self.frontend.peers.close()
-            if self.frontend.journal is not None:
-                self.frontend.journal.close()
-            if not self.owns_actor:  # the sidecar runs on; its releases need not wait for us
-                with contextlib.suppress(ray.exceptions.RayError):  # stopped first: it is gone
-                    self.frontend.scheduler.unregister(timeout_s=10)
-        finally:
-            try:
-                if self.owns_actor:
-                    ray.kill(self.actor)
-            finally:
-                if self.started_ray:
-                    ray.shutdown()
+        """Health goes NOT_SERVING, waiting calls are answered, the servers drain within
+        `grace` seconds, a replica hands over and unregisters; the actor and Ray stop if
+        this process started them."""
+        self._unwind(_Teardown(grace=grace, graceful=True))
 
     def abandon(self) -> None:
         """Stop serving at once, saying nothing to the actor or Ray: a replica whose first
@@ -195,17 +129,15 @@ class SidecarServer:
         timeout). The ports are freed and the journal closed; what it acknowledged is in
         the journal for the next `rlfeed serve` on it. The caller then exits the process
         (Ray's own exit hooks would wait for the dead cluster too)."""
+        self._unwind(_Teardown(abandon=True))
+
+    def _unwind(self, how: _Teardown) -> None:
         if self._stopped:
             return
         self._stopped = True
-        _set_serving(self.health, False)
-        self.frontend.signals.stop()
-        self.server.stop(0)
-        if self.peer_server is not None:
-            self.peer_server.stop(0)
-        if self.frontend.journal is not None:
-            with contextlib.suppress(Exception):  # mid-append in another thread: exiting anyway
-                self.frontend.journal.close()
+        self._teardown.grace, self._teardown.graceful = how.grace, how.graceful
+        self._teardown.abandon = how.abandon
+        self._closers.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)
@@ -242,82 +174,6 @@ def connect_ray(config: SidecarConfig, ray_address: str | None) -> bool:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
     return True
-
-
-def check_port_free(host: str, port: int) -> None:
-    """RuntimeError naming `host:port` when something listens there, before anything
-    starts (Ray's start-up costs seconds). A plain bind, without SO_REUSEPORT, so another
-    sidecar whose front-ends share the port with SO_REUSEPORT is found too; port 0 (any
-    free port) passes."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            # As gRPC binds: connections of an earlier run in TIME_WAIT do not count.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                reason = (
-                    "the port is in use (another rlfeed serve?)"
-                    if exc.errno == errno.EADDRINUSE
-                    else exc.strerror
-                )
-                raise RuntimeError(f"cannot listen on {host}:{port}: {reason}") from None
-
-
-def _peer_host(host: str) -> str:
-    """The address other front-ends reach this one at: the bound interface, or this node's
-    address when bound to all interfaces."""
-    if host in ("0.0.0.0", "::", "[::]", ""):
-        return ray.util.get_node_ip_address()
-    return host
-
-
-def _public_address(config: SidecarConfig, port: int) -> str:
-    """Where clients reach a front-end on `port`: `[server] host`, with this node's address
-    for a wildcard host."""
-    return f"{_peer_host(config.server.host)}:{port}"
-
-
-def _grpc_server(
-    config: SidecarConfig, name: str, interceptors: list[grpc.ServerInterceptor]
-) -> grpc.Server:
-    """A threaded gRPC server with the `[server]` channel arguments (message size limit
-    both ways, keepalive, idle and aged connections, handshake timeout)."""
-    return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix=name),
-        interceptors=interceptors,
-        options=config.server.grpc_options(),
-    )
-
-
-def _start_peer_server(
-    config: SidecarConfig, queries: PeerQueries, serving: BatchServing, peer_token: str
-) -> tuple[grpc.Server, str]:
-    """The server the other front-ends reach this one at, on a port of its own (the public
-    port never serves the peer service): the peer service and BatchServing (forwarded
-    fetches). Returns it started, with its address."""
-    # Only this sidecar's front-ends get in: they present the secret the actor shares with
-    # them. The port is plaintext (a replica on another node joins over the node network;
-    # run Ray and the sidecar on a private network, or put mTLS on it: see security/README).
-    peer_server = _grpc_server(config, "rlfeed-peer", [peer_interceptor(peer_token)])
-    peer_server.add_generic_rpc_handlers(
-        (
-            peer_handler(queries.columns_of, queries.response_of, queries.stored_by),
-            _batch_serving_handler(serving, waits_on_loop=False),
-        )
-    )
-    host = _peer_host(config.server.host)
-    port = peer_server.add_insecure_port(f"{host}:0")
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {host} for the other front-ends")
-    peer_server.start()
-    return peer_server, f"{host}:{port}"
 
 
 def _take_over_slot(frontend: FrontendState, assembler: StepAssembler) -> None:
@@ -368,80 +224,83 @@ def start_server(
     security = ServerSecurity.from_config(config.security)
     if not join:
         check_port_free(config.server.host, config.server.port)
-    guard = CallGuard(config.server)
+    teardown = _Teardown()
+    with contextlib.ExitStack() as closers:  # a start-up that fails unwinds it at once
+        sidecar = _start(config, ray_address, events, join, slot, security, closers, teardown)
+        sidecar.watch = _watch(sidecar, closers)
+        sidecar._closers = closers.pop_all()
+    return sidecar
+
+
+def _start(
+    config: SidecarConfig,
+    ray_address: str | None,
+    events: ServerEvents | None,
+    join: bool,
+    slot: str,
+    security: ServerSecurity,
+    closers: contextlib.ExitStack,
+    teardown: _Teardown,
+) -> SidecarServer:
+    """Acquire, in order, what a front-end holds, each registering its closer on `closers`
+    (they run in reverse: the last acquired is let go first)."""
     started_ray = connect_ray(config, ray_address)
-    actor = server = peer_server = journal = None
+    if started_ray:
+        closers.callback(lambda: None if teardown.abandon else ray.shutdown())
+    # Registered before the journal opens: the journal closes before the actor goes.
+    held: dict[str, ray.actor.ActorHandle] = {}
+    closers.callback(_let_actor_go, held, join, teardown)
+    journal = open_slot_journal(config, slot)
+    if journal is not None:
+        closers.callback(_close_journal, journal, teardown)
+    if join:
+        actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
+    else:
+        actor = create_scheduler_actor(config)
+    held["actor"] = actor
     replicated = join or config.server.replicas > 1  # other front-ends may share the actor
+    frontend = held["frontend"] = FrontendState(
+        config, actor, events, announce=replicated, journal=journal, slot=slot
+    )
+    closers.callback(lambda: None if teardown.abandon else frontend.peers.close())
+    assembler = StepAssembler(frontend)
+    ingest, serving = RolloutIngest(frontend, assembler), BatchServing(frontend)
+    queries = PeerQueries(frontend)
+    peer_server, peer_address = start_peer_server(config, queries, serving, frontend.peer_token)
+    closers.callback(_stop_grpc, peer_server, teardown, None)
+    if join:  # the sidecar runs on with what this replica holds: hand it over first
+        closers.callback(_hand_over, frontend, assembler, teardown)
+    guard = CallGuard(config.server)
+    closers.callback(lambda: None if teardown.abandon else guard.stop())
+    server = ports.public_server(config, security, guard, replicated, ingest, serving)
+    closers.callback(_stop_grpc, server, teardown, 10.0)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    target = f"{config.server.host}:{config.server.port}"
     try:
-        journal = open_slot_journal(config, slot)
-        if join:
-            actor = ray.get_actor(config.ray.actor_name, namespace=config.ray.namespace)
-        else:
-            actor = create_scheduler_actor(config)
-        frontend = FrontendState(
-            config, actor, events, announce=replicated, journal=journal, slot=slot
-        )
-        assembler = StepAssembler(frontend)
-        ingest, serving = RolloutIngest(frontend, assembler), BatchServing(frontend)
-        queries = PeerQueries(frontend)
-        peer_server, peer_address = _start_peer_server(
-            config, queries, serving, frontend.peer_token
-        )
-        server = AioServerThread(
-            name=f"rlfeed-grpc-{next(_server_numbers)}",
-            max_workers=config.server.max_workers,
-            # Who may call first, then what a call may cost.
-            interceptors=[*security.aio_interceptors, AioCallGuard(guard)],
-            # A busy port is an error, not a shared socket, unless replicas share it.
-            options=[*config.server.grpc_options(), ("grpc.so_reuseport", int(replicated))],
-            maximum_concurrent_rpcs=config.server.max_pending_calls,
-        )
-        pb_grpc.add_TaskSamplingServicer_to_server(ingest, server)
-        pb_grpc.add_SidecarStatusServicer_to_server(serving, server)
-        server.add_generic_rpc_handlers(
-            (_rollout_ingest_handler(ingest), _batch_serving_handler(serving, waits_on_loop=True))
-        )
-        health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        if config.security.allow_reflection:
-            reflection.enable_server_reflection(
-                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
-        target = f"{config.server.host}:{config.server.port}"
-        try:
-            port = security.bind(server, target)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {target} (port in use?)")
-        public = Registration(
-            peer_address=peer_address,
-            slot=slot if journal is not None else "",
-            address=_public_address(config, port),
-            node_id=ray.get_runtime_context().get_node_id(),
-        )
-        public.register(frontend)
-        if journal is not None:
-            _take_over_slot(frontend, assembler)
-        guard.start()
-        server.start()
-        _log.info("rlfeed: %s serves %s", target, security.describe())
-        assembler.start()
-        _set_serving(health_servicer, True)
-    except BaseException:
-        guard.stop()
-        if server is not None:
-            server.stop(0).wait(10)
-        if peer_server is not None:
-            peer_server.stop(0)
-        if actor is not None and not join:
-            ray.kill(actor)
-        if started_ray:
-            ray.shutdown()
-        if journal is not None:
-            journal.close()
-        raise
-    sidecar = SidecarServer(
+        port = security.bind(server, target)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {target}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {target} (port in use?)")
+    registration = Registration(
+        peer_address=peer_address,
+        slot=slot if journal is not None else "",
+        address=ports.public_address(config, port),
+        node_id=ray.get_runtime_context().get_node_id(),
+    )
+    registration.register(frontend)
+    if journal is not None:
+        _take_over_slot(frontend, assembler)
+    guard.start()
+    server.start()
+    _log.info("rlfeed: %s serves %s", target, security.describe())
+    assembler.start()
+    closers.callback(lambda: None if teardown.abandon else assembler.stop())
+    closers.callback(frontend.signals.stop)  # answers waiting GetBatch calls now
+    closers.callback(_leave_health, health_servicer, teardown)
+    _set_serving(health_servicer, True)
+    return SidecarServer(
         config=config,
         port=port,
         server=server,
@@ -453,11 +312,65 @@ def start_server(
         health=health_servicer,
         actor=actor,
         started_ray=started_ray,
+        watch=None,  # type: ignore[arg-type]  # set by start_server once serving
+        registration=registration,
+        _closers=closers,
+        _teardown=teardown,
         owns_actor=not join,
         peer_server=peer_server,
     )
-    sidecar.watch = _watch(sidecar, public)
-    return sidecar
+
+
+# The closers start-up registers, each reading the _Teardown as it runs.
+
+
+def _let_actor_go(held: dict, join: bool, teardown: _Teardown) -> None:
+    """The actor this process created is killed; a replica that stops unregisters (the
+    sidecar runs on, its releases need not wait for this one)."""
+    actor = held.get("actor")
+    if actor is None or teardown.abandon:
+        return
+    if not join:
+        ray.kill(actor)
+    elif teardown.graceful:
+        with contextlib.suppress(ray.exceptions.RayError):  # stopped first: it is gone
+            held["frontend"].scheduler.unregister(timeout_s=10)
+
+
+def _close_journal(journal, teardown: _Teardown) -> None:
+    if not teardown.abandon:
+        journal.close()
+        return
+    with contextlib.suppress(Exception):  # mid-append in another thread: exiting anyway
+        journal.close()
+
+
+def _stop_grpc(server, teardown: _Teardown, failed_wait: float | None) -> None:
+    """Drain within the grace of a stop; at once on a failed start-up (waiting
+    `failed_wait` seconds for it, if given) or when abandoned."""
+    if teardown.graceful:
+        server.stop(teardown.grace).wait(teardown.grace + 1.0)
+    elif teardown.abandon or failed_wait is None:
+        server.stop(0)
+    else:
+        server.stop(0).wait(failed_wait)
+
+
+def _hand_over(frontend: FrontendState, assembler: StepAssembler, teardown: _Teardown) -> None:
+    if not teardown.graceful:
+        return
+    try:
+        hand_over(frontend, assembler)
+        teardown.handed_over = True
+    except Exception:  # its data is lost: the caller reports the replica failed
+        _log.exception("rlfeed: this front-end could not hand its data over")
+
+
+def _leave_health(health_servicer: health.HealthServicer, teardown: _Teardown) -> None:
+    if teardown.graceful:
+        health_servicer.enter_graceful_shutdown()
+    elif teardown.abandon:
+        _set_serving(health_servicer, False)
 
 
 def _set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
@@ -467,14 +380,15 @@ def _set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
         health_servicer.set(name, status)
 
 
-def _watch(sidecar: SidecarServer, registration: Registration) -> ActorWatch:
-    """Start the front-end's watch on the scheduler actor (see `watch.py`)."""
+def _watch(sidecar: SidecarServer, closers: contextlib.ExitStack) -> ActorWatch:
+    """Start the front-end's watch on the scheduler actor (see `watch.py`); it is the
+    first thing a stop lets go of."""
     frontend = sidecar.frontend
     retention = frontend.retention
 
     def rejoin() -> None:
         frontend.scheduler.drop_notes()
-        registration.register(frontend)
+        sidecar.registration.register(frontend)
         if frontend.journal is not None:
             _take_over_slot(frontend, sidecar.assembler)
 
@@ -492,4 +406,5 @@ def _watch(sidecar: SidecarServer, registration: Registration) -> ActorWatch:
         check_journal=JournalHealth(frontend.journal, sidecar.health) if retention else None,
     )
     watch.start(frontend.scheduler.incarnation(timeout_s=30))
+    closers.callback(lambda: None if sidecar._teardown.abandon else watch.stop())
     return watch

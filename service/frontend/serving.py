@@ -21,8 +21,8 @@ from collections import OrderedDict
 import grpc
 import ray
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.service.frontend.codec import status_to_proto
-from rlfeed.service.frontend.requests import trainer_report_of
+from rlfeed.service.codec.messages import status_to_proto
+from rlfeed.service.codec.request_checks import trainer_report_of
 from rlfeed.service.frontend.state import (
     AdmissionGate,
     FrontendState,

@@ -21,8 +21,8 @@ from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.events import GuardedEvents, ServerEvents
 from rlfeed.service.frontend.journaling import SlotRetention
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
+from rlfeed.service.frontend.peers import PeerClient
 from rlfeed.service.journal import Journal
-from rlfeed.service.replicas.peers import PeerClient
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import HeldBy
 

@@ -3,7 +3,7 @@
 See README.md in this folder for the on-disk format and how recovery works.
 """
 
-from rlfeed.service.journal.config import JournalConfig
+from rlfeed.service.config.journal import JournalConfig
 from rlfeed.service.journal.errors import (
     JournalClosedError,
     JournalCorruptError,

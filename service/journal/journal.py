@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlfeed.service.journal.config import JournalConfig
+from rlfeed.service.config.journal import JournalConfig
 from rlfeed.service.journal.errors import (
     JournalClosedError,
     JournalRangeError,

@@ -24,7 +24,7 @@ from typing import Any
 
 import google_crc32c
 import msgpack
-from rlfeed.service.journal.config import JournalConfig
+from rlfeed.service.config.journal import JournalConfig
 from rlfeed.service.journal.files import (
     create_file_atomically,
     fsync_directory,

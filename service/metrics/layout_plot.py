@@ -167,7 +167,7 @@ def layout_from_batch_responses(
     """Layout of one step from every rank's GetBatchResponse (messages or their bytes),
     ranks in order: what the trainers received."""
     from rlfeed.proto import rlfeed_pb2 as pb
-    from rlfeed.service.frontend.codec import decode_microbatch
+    from rlfeed.service.codec.messages import decode_microbatch
 
     ranks = []
     for response in responses:

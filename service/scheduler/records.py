@@ -8,7 +8,7 @@ answers; `StepWork` is a planned step for a front-end to materialize; `StepRecor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -212,27 +212,18 @@ class StepRecord:
         policy_versions: tuple[int, int],
     ) -> StepRecord:
         """The record of `plan` (a `sched.assembly.StepPlan`) as step `step`, before its
-        responses are stored (response_bytes 0); policy_versions = (newest, oldest)."""
-        return cls(
-            step=step,
-            num_rollouts=int(plan.kept.size),
-            num_groups=plan.num_groups,
-            zero_advantage_groups=plan.zero_advantage_groups,
-            zero_advantage_groups_dropped=zero_advantage_groups_dropped,
-            policy_token_count=plan.policy_token_count,
-            real_tokens=plan.real_tokens,
-            computed_positions=plan.computed_positions,
-            padded_positions=plan.padded_positions,
-            largest_microbatch_positions=plan.largest_microbatch_positions,
-            rank_imbalance=plan.rank_imbalance,
-            lockstep_efficiency=plan.lockstep_efficiency,
-            microbatches_per_rank=plan.microbatches_per_rank,
-            policy_version=policy_versions[0],
-            min_policy_version=policy_versions[1],
-            response_bytes=0,
-            compute_rank_imbalance=plan.compute_rank_imbalance,
-            compute_lockstep_efficiency=plan.compute_lockstep_efficiency,
-        )
+        responses are stored (response_bytes 0); policy_versions = (newest, oldest). Every
+        other field is the plan's own of the same name."""
+        given = {
+            "step": step,
+            "num_rollouts": int(plan.kept.size),
+            "zero_advantage_groups_dropped": zero_advantage_groups_dropped,
+            "policy_version": policy_versions[0],
+            "min_policy_version": policy_versions[1],
+            "response_bytes": 0,
+        }
+        copied = {f.name: getattr(plan, f.name) for f in fields(cls) if f.name not in given}
+        return cls(**given, **copied)
 
 
 @dataclass

@@ -9,12 +9,12 @@ clear text.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from pathlib import Path
 
 import grpc
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.client.addressing import host_is_loopback
+from rlfeed.service.config.security import SecurityConfig
 
 _log = logging.getLogger(__name__)
 
@@ -59,13 +59,7 @@ def channel_credentials(*, ca: str = "", cert: str = "", key: str = "") -> grpc.
 
 def is_loopback(address: str) -> bool:
     """Whether "host:port" (IPv6 in brackets) names only this host."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host_is_loopback(address.rsplit(":", 1)[0].strip("[]"))
 
 
 def bind_port(server: grpc.Server, address: str, config: SecurityConfig) -> int:

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 from rlfeed.service.security.credentials import bind_port
+from rlfeed.service.security.files import check_files
 from rlfeed.service.security.interceptor import AioAuthInterceptor, AuthInterceptor
 from rlfeed.service.security.signals import reload_tokens_on_sighup
 from rlfeed.service.security.tokens import TokenStore
@@ -39,7 +40,7 @@ class ServerSecurity:
     ) -> ServerSecurity:
         """Reads and checks every configured file (ValueError naming the field) and builds
         the interceptor; `on_refused` counts refusals (see `AuthInterceptor`)."""
-        config.check_files()
+        check_files(config)
         tokens = TokenStore(config.auth_token_file) if config.tokens else None
         interceptor = AuthInterceptor(
             tokens, allow_reflection=config.allow_reflection, on_refused=on_refused

@@ -367,7 +367,7 @@ def run_e2e(case: Case, options: Options) -> dict:
     from rlfeed.service.config import SidecarConfig, with_overrides
     from rlfeed.service.frontend.events import ServerEvents
     from rlfeed.service.frontend.server import start_server
-    from rlfeed.service.replicas.processes import start_replicas
+    from rlfeed.service.scaleout.processes import start_replicas
 
     first_timed = options.first_timed_step(case)
     replicas = options.replicas
@@ -612,11 +612,11 @@ def run_stages(case: Case) -> None:
         encode_rollout_batch,
         parse_get_batch_response,
     )
+    from rlfeed.service.codec.materialize import materialize_work
+    from rlfeed.service.codec.messages import decode_rollout_batch, parse_rollout_batch
+    from rlfeed.service.codec.rollout_batch import batch_meta
+    from rlfeed.service.codec.validation import validate_rollout_batch
     from rlfeed.service.config import SidecarConfig, with_overrides
-    from rlfeed.service.frontend.codec import decode_rollout_batch, parse_rollout_batch
-    from rlfeed.service.frontend.ingest import batch_meta
-    from rlfeed.service.frontend.materialize import materialize_work
-    from rlfeed.service.frontend.validation import validate_rollout_batch
     from rlfeed.service.scheduler.state import Scheduler
 
     per_step = case.prompts_per_step * case.group_size

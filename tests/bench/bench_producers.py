@@ -57,7 +57,6 @@ import os
 import queue
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_e2e_throughput import cpu_snapshot, reap, report_cpu
+from rlfeed.service.demo.processes import free_port
 
 GROUP_SIZE = 8
 LENGTHS = (64, 256)  # tokens per rollout, uniform in [64, 256]
@@ -103,12 +103,6 @@ group_size = {GROUP_SIZE}
 max_buffered_rollouts = {rollouts}
 max_buffered_bytes = {8 * 2**30}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Sidecar:

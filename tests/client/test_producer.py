@@ -20,8 +20,8 @@ from rlfeed.client.transport import (
     SidecarError,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.config import config_from_dict
-from rlfeed.service.frontend.codec import decode_rollout_batch
 from rlfeed.service.inprocess import InProcessTransport
 
 

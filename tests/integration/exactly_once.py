@@ -11,7 +11,6 @@ Loaded by `test_crash_loop.py` and `test_frontend_actors.py` (tests import by pa
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 import time
 
@@ -39,12 +38,6 @@ sync = "group"
 segment_bytes = 65536
 snapshot_every_records = 40
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class History:

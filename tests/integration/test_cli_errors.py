@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from rlfeed import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,12 +54,6 @@ def assert_fails_in_one_line(done, seconds: float, code: int, expected: str) -> 
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert expected in done.stderr, done.stderr
     assert seconds < FAIL_WITHIN_S
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ------------------------------------------------------------------ nothing answers there

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import free_port
 from rlfeed.client.loader import BatchLoader, TrainStep
 from rlfeed.client.producer import RolloutWriter
 from rlfeed.service.config import config_from_dict
@@ -36,12 +36,6 @@ SIDECAR = {
     "rollouts": {"prompts_per_step": 2, "group_size": GROUP_SIZE, "vocab_size": 100},
 }
 TASKS = [f"task-{i}" for i in range(4)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_group(writer: RolloutWriter, group: int) -> list[str]:

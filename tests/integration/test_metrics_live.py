@@ -24,7 +24,7 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.sched.compute import model_attention_weight
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
-from rlfeed.service.frontend.codec import decode_microbatch
+from rlfeed.service.codec.messages import decode_microbatch
 from rlfeed.service.metrics.exporter import SidecarExporter
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
 

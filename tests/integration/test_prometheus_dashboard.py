@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers import free_port
 from rlfeed.service.demo.fleet import FleetConfig
 from rlfeed.service.metrics.http import MetricsServer
 from rlfeed.service.metrics.recorder import PASS_RATE_BUCKETS, MetricsConfig, SidecarMetrics
@@ -182,12 +182,6 @@ def prometheus_binary() -> str:
             pytest.fail(f"{reason}; CI must install it (make system-deps)")
         pytest.skip(reason)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_json(url: str, timeout: float = 5.0) -> dict:

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import ray
+from helpers import free_port, wait_until
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config import with_overrides
@@ -30,13 +31,6 @@ from rlfeed.service.testing import check_served_step, synthetic_groups
 from rlfeed.service.testing import fetch_served_bytes as fetch
 
 GROUPS = {"prompts_per_step": 2, "group_size": 4}
-
-
-def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def submit_half(
@@ -94,6 +88,7 @@ def test_steps_read_batches_from_both_front_ends_and_either_serves_them(make_sid
             lambda: len(primary.frontend.payloads) == len(replica.frontend.payloads) == 0,
             f"batches still held: {len(primary.frontend.payloads)}, "
             f"{len(replica.frontend.payloads)}",
+            timeout_s=30.0,
         )
         status = pb_grpc.SidecarStatusStub(channels[0])
         assert status.GetStatus(pb.GetStatusRequest(), timeout=10).front_ends == 2
@@ -126,7 +121,11 @@ def test_a_replica_that_stops_hands_its_data_over_and_the_sidecar_serves_on(
         channels = [grpc.insecure_channel(sidecar.address) for sidecar in (primary, replica)]
         submit_halves(channels, rollouts)  # steps 0-3; the replica stores steps 0 and 2
         step_0 = [fetch(channels[1], 0, rank) for rank in range(2)]
-        wait_until(lambda: replica.frontend.signals.newest_stored_here >= 2, "step 2 not stored")
+        wait_until(
+            lambda: replica.frontend.signals.newest_stored_here >= 2,
+            "step 2 not stored",
+            timeout_s=30.0,
+        )
 
         step_4 = range(32, 40)  # its groups
         submit_half(channels[1], rollouts, step_4, (0, 1), 100)  # only the replica has these
@@ -184,6 +183,7 @@ def test_each_fetch_is_reported_once_by_the_front_end_holding_the_step(make_side
                     other[holder].frontend.signals.holder(step) is not None for step in steps
                 ),
                 f"{holder}'s steps not announced",
+                timeout_s=30.0,
             )
             other[holder].frontend.signals.forget_holder()
         for step in range(4):  # rank 0 asks the primary, rank 1 the replica
@@ -220,6 +220,7 @@ def test_a_front_end_that_never_completes_a_step_still_frees_its_batches(make_si
         wait_until(
             lambda: len(replica.frontend.payloads) == 0,
             f"the replica still holds {len(replica.frontend.payloads)} batches",
+            timeout_s=30.0,
         )
         for channel in channels:
             channel.close()
@@ -251,12 +252,6 @@ def test_the_peer_service_is_not_on_the_public_port_and_a_lost_holder_falls_back
         assert sidecar.frontend.signals.holder(0) is None  # and the announcement is gone
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _status(address: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rlfeed", "status", "--address", address],
@@ -267,7 +262,7 @@ def _status(address: str) -> subprocess.CompletedProcess:
 
 
 def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen(
         [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2"],
         stdout=subprocess.PIPE,
@@ -329,7 +324,7 @@ def _serve_with_a_replica(port: int) -> tuple[subprocess.Popen, str]:
 def test_a_replica_told_to_stop_hands_over_and_the_sidecar_runs_on() -> None:
     """SIGTERM to a replica: it hands what it holds to the actor and exits 0; the first
     process says so and serves on (another demo run completes), then stops cleanly."""
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     serve, replica = _serve_with_a_replica(port)
 
@@ -361,7 +356,7 @@ def test_without_a_journal_a_replica_that_dies_stops_the_whole_sidecar() -> None
     without a journal nothing else holds it, so the sidecar does not run on without it
     (exit 1, saying which replica and why), nor leave any process behind. With a journal
     it is restarted instead (`test_crash_loop.py`)."""
-    serve, replica = _serve_with_a_replica(_free_port())
+    serve, replica = _serve_with_a_replica(free_port())
     try:
         os.kill(int(replica), signal.SIGKILL)
         rest, _ = serve.communicate(timeout=60)
@@ -379,11 +374,11 @@ def test_without_a_journal_a_replica_that_dies_stops_the_whole_sidecar() -> None
 def test_a_replica_that_cannot_start_fails_the_start_naming_it() -> None:
     """Replica 1 serves metrics on metrics_port + 1; with that port taken it exits at once,
     and `rlfeed serve` fails its start (exit 1) instead of running short of a front-end."""
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", metrics_port + 1))
         taken.listen()
-        command = [sys.executable, "-m", "rlfeed", "serve", "--port", str(_free_port())]
+        command = [sys.executable, "-m", "rlfeed", "serve", "--port", str(free_port())]
         serve = subprocess.run(
             [*command, "--replicas", "2", "--metrics-port", str(metrics_port)],
             capture_output=True,
@@ -421,7 +416,7 @@ def test_replicas_do_not_outlive_their_first_process(tmp_path, journal: bool) ->
     """SIGKILL of the first process alone (not its group: nothing stops the replica, and
     Ray goes with the first process): the replica notices within seconds and exits, so
     the port is free for the next `rlfeed serve`."""
-    port = _free_port()
+    port = free_port()
     flags = ["--journal-dir", str(tmp_path / "journal")] if journal else []
     serve = subprocess.Popen(
         [sys.executable, "-m", "rlfeed", "serve", "--port", str(port), "--replicas", "2", *flags],

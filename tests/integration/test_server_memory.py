@@ -196,8 +196,8 @@ def test_a_refused_note_is_counted_and_shown_by_status() -> None:
     """A note the scheduler refuses is a bug of rlfeed, not of the input: it is skipped (the
     call it rode on goes on), counted, and `rlfeed status` says so loudly."""
     from rlfeed.service.cli.status import status_text
+    from rlfeed.service.codec.messages import status_to_proto
     from rlfeed.service.config import SidecarConfig
-    from rlfeed.service.frontend.codec import status_to_proto
     from rlfeed.service.scheduler.actor import SchedulerActor
     from rlfeed.service.scheduler.records import StoreStepNote
 

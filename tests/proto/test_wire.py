@@ -12,8 +12,8 @@ from rlfeed.client.arrow_codec import decode_step, parse_get_batch_response
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.wire import read_varint, split_field
 from rlfeed.sched.assembly import StepConfig, StepRollouts, assemble_step
-from rlfeed.service.frontend.codec import decode_rollout_batch, parse_rollout_batch
-from rlfeed.service.frontend.materialize import materialize_step
+from rlfeed.service.codec.materialize import materialize_step
+from rlfeed.service.codec.messages import decode_rollout_batch, parse_rollout_batch
 from rlfeed.service.testing import synthetic_groups
 
 

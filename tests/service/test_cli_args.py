@@ -131,7 +131,7 @@ def test_serve_world_size_is_a_positive_count(capsys):
 
 
 def test_the_listening_line_says_what_security_is_on():
-    from rlfeed.service.security.config import SecurityConfig
+    from rlfeed.service.config.security import SecurityConfig
 
     assert SecurityConfig().summary() == "TLS off, mTLS off, tokens off"
     secured = SecurityConfig(tls_cert="s.pem", tls_key="s.key", auth_token_file="tokens.txt")

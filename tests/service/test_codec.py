@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.arrow_schemas import ROLLOUT_SCHEMA
 from rlfeed.sched.assembly import materialize_microbatch
-from rlfeed.service.frontend.codec import (
+from rlfeed.service.codec.messages import (
     RolloutBatchArrays,
     decode_microbatch,
     decode_rollout_batch,

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rlfeed.service.codec.messages import RolloutBatchArrays
+from rlfeed.service.codec.rollout_batch import decode_batch, validate_batch
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.errors import InvalidBatchError
-from rlfeed.service.frontend.codec import RolloutBatchArrays
-from rlfeed.service.frontend.ingest import decode_batch, validate_batch
 from rlfeed.service.testing import synthetic_groups
 
 CONFIG = with_overrides(

@@ -9,9 +9,9 @@ import dataclasses
 import msgpack
 import numpy as np
 import pytest
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta
 from rlfeed.service.config import SidecarConfig, with_overrides
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
 from rlfeed.service.journal import Journal, JournalConfig, SnapshotStore
 from rlfeed.service.scheduler.journaled import SCHEDULER_SLOT, STATE_VERSION, JournaledScheduler
 from rlfeed.service.scheduler.records import BatchHandle, HeldBy, JournalRef

@@ -5,7 +5,10 @@
 - `client/` imports nothing from `service/` (trainers never import server internals);
 - the scheduler's state class imports no Ray, gRPC, pyarrow or torch;
 - no import cycle between rlfeed modules, counting imports inside functions and under
-  TYPE_CHECKING (a cycle there is still two modules that cannot be read apart).
+  TYPE_CHECKING (a cycle there is still two modules that cannot be read apart);
+- between folders, only the arrows `FOLDER_ARROWS` lists, and those form no cycle: no two
+  folders import each other, even through a third;
+- `service/inprocess.py`, the sidecar without gRPC or Ray, loads neither.
 """
 
 from __future__ import annotations
@@ -110,6 +113,138 @@ def _with_line(path: Path, tmp_path: Path, line: str) -> Path:
     return copy
 
 
+# Which folder may import which: every arrow between two folders (a top-level module of
+# `service/` counts as a folder of its own). A new arrow is a design decision: add it here.
+FOLDER_ARROWS: dict[str, set[str]] = {
+    "proto": set(),
+    "sched": set(),
+    "client": {"proto"},
+    "service/config": {"client", "sched"},
+    "service/errors.py": set(),
+    "service/interrupts.py": set(),
+    "service/journal": {"service/config"},
+    "service/security": {"client", "proto", "service/config"},
+    "service/scheduler": {"sched", "service/config", "service/errors.py", "service/journal"},
+    "service/codec": {
+        "proto",
+        "sched",
+        "service/config",
+        "service/errors.py",
+        "service/scheduler",
+    },
+    "service/frontend": {
+        "client",
+        "proto",
+        "sched",
+        "service/codec",
+        "service/config",
+        "service/errors.py",
+        "service/journal",
+        "service/scheduler",
+        "service/security",
+    },
+    "service/metrics": {
+        "proto",
+        "sched",
+        "service/codec",
+        "service/config",
+        "service/errors.py",
+        "service/frontend",
+        "service/scheduler",
+    },
+    "service/scaleout": {
+        "service/config",
+        "service/frontend",
+        "service/metrics",
+        "service/scheduler",
+    },
+    "service/gym": set(),
+    # The curriculum experiment starts a sidecar of its own per run.
+    "service/learning": {"client", "service/config", "service/frontend", "service/gym"},
+    "service/demo": {
+        "client",
+        "sched",
+        "service/config",
+        "service/frontend",
+        "service/gym",
+        "service/learning",
+        "service/metrics",
+    },
+    "service/cli": {
+        "client",
+        "proto",
+        "sched",
+        "service/config",
+        "service/demo",
+        "service/frontend",
+        "service/interrupts.py",
+        "service/metrics",
+        "service/scaleout",
+        "service/security",
+    },
+    "service/inprocess.py": {
+        "client",
+        "proto",
+        "sched",
+        "service/codec",
+        "service/config",
+        "service/errors.py",
+        "service/scheduler",
+    },
+    "service/inprocess_server.py": {"client", "proto", "service/inprocess.py"},
+    "service/testing.py": {"proto", "service/codec", "service/scheduler"},
+    "service/__init__.py": set(),
+}
+
+
+def _folder(module: str, modules: dict[str, Path]) -> str:
+    """The folder a module belongs to; a module directly in `service/` is its own."""
+    path = modules[module].relative_to(ROOT)
+    folder = path.parent.as_posix()
+    return path.as_posix() if folder == "service" else folder
+
+
+def _folder_arrows(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    modules = _source_modules()
+    arrows: dict[str, set[str]] = {_folder(module, modules): set() for module in modules}
+    for module, targets in edges.items():
+        source = _folder(module, modules)
+        arrows[source] |= {_folder(t, modules) for t in targets} - {source}
+    return arrows
+
+
+def _unlisted_arrows(arrows: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted(
+        (source, target)
+        for source, targets in arrows.items()
+        for target in targets
+        if target not in FOLDER_ARROWS.get(source, set())
+    )
+
+
+def test_folders_import_only_along_the_listed_arrows():
+    arrows = _folder_arrows(_rlfeed_edges())
+    assert sorted(set(arrows) - set(FOLDER_ARROWS)) == [], "a new folder: list its arrows"
+    assert _unlisted_arrows(arrows) == []
+
+
+def test_the_listed_folder_arrows_form_no_cycle():
+    cycles = [c for c in _strongly_connected(FOLDER_ARROWS) if len(c) > 1]
+    assert cycles == []
+
+
+def test_the_folder_rule_sees_an_added_arrow(tmp_path):
+    """The check can fail: the front-end importing the scale-out code is caught."""
+    path = ROOT / "service" / "frontend" / "state.py"
+    edges = _rlfeed_edges()
+    imports = _imports(
+        _with_line(path, tmp_path, "from rlfeed.service.scaleout.placement import FrontendPlace"),
+        "rlfeed.service.frontend.state",
+    )
+    edges["rlfeed.service.frontend.state"] |= {name for name in imports if name in edges}
+    assert ("service/frontend", "service/scaleout") in _unlisted_arrows(_folder_arrows(edges))
+
+
 def test_no_import_cycles():
     edges = _rlfeed_edges()
     cycles = [component for component in _strongly_connected(edges) if len(component) > 1]
@@ -171,6 +306,18 @@ def test_pure_layers_load_no_heavy_library(modules):
         "import importlib, sys\n"
         f"for name in {modules!r}: importlib.import_module(name)\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_inprocess_loads_no_grpc_or_ray():
+    """The sidecar without gRPC or Ray, imported in a fresh interpreter: neither loads."""
+    code = (
+        "import sys, rlfeed.service.inprocess\n"
+        "print(sorted(m for m in ('grpc', 'ray', 'torch') if m in sys.modules))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -27,15 +27,15 @@ from rlfeed.sched.assembly import (
     materialize_microbatch,
 )
 from rlfeed.sched.gather import COLUMN_DTYPES, TokenScratch, materialize_sequences
-from rlfeed.service.frontend import response_pieces
-from rlfeed.service.frontend.codec import (
+from rlfeed.service.codec import response_pieces
+from rlfeed.service.codec.materialize import materialize_step
+from rlfeed.service.codec.messages import (
     _ipc_bytes,
     encode_microbatch,
     encode_microbatch_parts,
     join_rank_response,
 )
-from rlfeed.service.frontend.materialize import materialize_step
-from rlfeed.service.frontend.response_pieces import arrow_stream_pieces, rank_header, thread_scratch
+from rlfeed.service.codec.response_pieces import arrow_stream_pieces, rank_header, thread_scratch
 
 COLUMNS = ("input_ids", "target_ids", "loss_mask", "sampler_logprobs", "advantages")
 

@@ -20,6 +20,9 @@ from rlfeed.sched.assembly import (
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, select_tasks
 from rlfeed.sched.models import GPUS, MODELS, kv_bytes_per_token, param_count
 from rlfeed.service.cli.status import status_text
+from rlfeed.service.codec.messages import decode_rollout_batch, step_stats_to_proto
+from rlfeed.service.codec.rollout_batch import batch_meta, decode_batch
+from rlfeed.service.codec.validation import validate_rollout_batch
 from rlfeed.service.config import (
     AccountingConfig,
     BatchingConfig,
@@ -27,9 +30,6 @@ from rlfeed.service.config import (
     SidecarConfig,
 )
 from rlfeed.service.errors import BackpressureError, InvalidBatchError, RejectReason, reject_reason
-from rlfeed.service.frontend.codec import decode_rollout_batch, step_stats_to_proto
-from rlfeed.service.frontend.ingest import batch_meta, decode_batch
-from rlfeed.service.frontend.validation import validate_rollout_batch
 from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.metrics.http import MetricsServer
 from rlfeed.service.metrics.layout_plot import layout_from_plan

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from rlfeed.sched.curriculum import CurriculumConfig, init_pass_rates, update_pass_rates
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
 from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.metrics.recorder import MetricsConfig, SidecarMetrics
 from rlfeed.service.scheduler.state import Scheduler

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta, validate_batch
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta, validate_batch
 from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.metrics.exporter import MetricsEvents
 from rlfeed.service.metrics.recorder import REJECT_REASONS, MetricsConfig, SidecarMetrics

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta
+from rlfeed.service.codec.validation import validate_rollout_batch
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
-from rlfeed.service.frontend.validation import validate_rollout_batch
 from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, check_served_step, synthetic_groups

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.errors import BackpressureError
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import batch_meta
 from rlfeed.service.inprocess import assemble_ready_steps
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups

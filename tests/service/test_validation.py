@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rlfeed.service.codec.messages import decode_rollout_batch
+from rlfeed.service.codec.rollout_batch import batch_meta
+from rlfeed.service.codec.validation import LOGPROB_TOLERANCE, validate_rollout_batch
 from rlfeed.service.config import BatchingConfig, RolloutsConfig, SidecarConfig
 from rlfeed.service.errors import InvalidBatchError, RejectReason
-from rlfeed.service.frontend.codec import decode_rollout_batch
-from rlfeed.service.frontend.ingest import RolloutIngest, batch_meta
-from rlfeed.service.frontend.validation import LOGPROB_TOLERANCE, validate_rollout_batch
+from rlfeed.service.frontend.ingest import RolloutIngest
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, synthetic_groups
 

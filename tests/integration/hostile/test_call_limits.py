@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+from helpers import wait_until
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.frontend.call_guard import CallKind, CallLimits, client_address
 
@@ -103,14 +104,7 @@ def test_silent_calls_past_their_cap_are_refused_and_starve_nothing(
     assert all(cap_name in detail for detail in details), details
     assert status_s < 1.0 and not batch.ready
     assert figures.rss_growth_mib < RSS_BOUND_MIB
-    _wait_for(lambda: not hostile.guard.limits.in_flight())  # every slot given back
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    wait_until(lambda: not hostile.guard.limits.in_flight())  # every slot given back
 
 
 def _status_seconds(channel: grpc.Channel) -> float:
@@ -231,7 +225,7 @@ def test_idle_requests_are_cancelled_and_idle_sockets_closed(make_sidecar) -> No
         cancelled_after = time.monotonic() - started
         assert {call.code() for call in calls + unary} == {grpc.StatusCode.CANCELLED}
         assert sidecar.guard.idle.cancelled == 3
-        _wait_for(lambda: not sidecar.guard.limits.in_flight())
+        wait_until(lambda: not sidecar.guard.limits.in_flight())
         received = b""
         while chunk := raw.recv(4096):  # the server's SETTINGS, then GOAWAY, then EOF
             received += chunk

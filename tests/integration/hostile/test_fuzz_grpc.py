@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rlfeed.proto import rlfeed_pb2 as pb
+from rlfeed.service.codec.rollout_batch import decode_batch, validate_batch
 from rlfeed.service.errors import InvalidBatchError
-from rlfeed.service.frontend.ingest import decode_batch, validate_batch
 from rlfeed.service.testing import synthetic_groups
 
 _METHODS = {

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rlfeed.sched.assembly import TOKEN_BYTES
 from rlfeed.service.cli.status import status_text
+from rlfeed.service.codec.materialize import materialize_work
+from rlfeed.service.codec.messages import decode_rollout_batch, status_to_proto
+from rlfeed.service.codec.rollout_batch import batch_meta
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.errors import BackpressureError
-from rlfeed.service.frontend.codec import decode_rollout_batch, status_to_proto
-from rlfeed.service.frontend.ingest import batch_meta
-from rlfeed.service.frontend.materialize import materialize_work
 from rlfeed.service.scheduler.state import Scheduler
 from rlfeed.service.testing import SyntheticRollouts, check_served_step, synthetic_groups
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from rlfeed.client import AuthenticationError, BatchLoader, GrpcTransport, SidecarError
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 from rlfeed.service.security.credentials import bind_port
 
 

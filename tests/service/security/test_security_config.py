@@ -8,8 +8,9 @@ import secrets
 
 import grpc
 import pytest
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 from rlfeed.service.security.credentials import bind_port, is_loopback, server_credentials
+from rlfeed.service.security.files import check_files
 from rlfeed.service.security.roles import public_method_roles
 
 
@@ -41,19 +42,19 @@ def test_structure_errors_name_the_field(values, field):
 def test_check_files_names_the_missing_file_and_bad_token_file(tmp_path, pki, caplog):
     missing = SecurityConfig(tls_cert=str(tmp_path / "nope.crt"), tls_key=str(pki.server_key))
     with pytest.raises(ValueError, match=r"^\[security\] tls_cert: .*nope.crt is not a file"):
-        missing.check_files()
+        check_files(missing)
 
     token = secrets.token_urlsafe(32)
     bad = tmp_path / "tokens.txt"
     bad.write_text(f"{token} root\n")
     with pytest.raises(ValueError, match=r"^\[security\] auth_token_file: .*tokens.txt:1") as e:
-        SecurityConfig(auth_token_file=str(bad)).check_files()
+        check_files(SecurityConfig(auth_token_file=str(bad)))
     assert token not in str(e.value)
 
     bad.write_text(f"{token} admin\n")
     bad.chmod(0o644)
     with caplog.at_level(logging.WARNING):
-        SecurityConfig(auth_token_file=str(bad)).check_files()
+        check_files(SecurityConfig(auth_token_file=str(bad)))
     assert "readable by other users" in caplog.text and token not in caplog.text
 
 
@@ -114,7 +115,7 @@ def test_server_security_builds_binds_and_describes(pki, tokens, fake_servicer):
 def test_the_peer_map_names_the_methods_the_peer_service_serves():
     from collections import namedtuple
 
-    from rlfeed.service.replicas import peers
+    from rlfeed.service.frontend import peers
     from rlfeed.service.security.roles import PEER_METHODS, PEER_SERVICE, peer_method_roles
 
     assert peers.PEER_SERVICE == PEER_SERVICE

@@ -19,7 +19,7 @@ import time
 import pytest
 from rlfeed.client import BatchLoader, RolloutWriter, TLSHandshakeError
 from rlfeed.client.transport import GrpcTransport
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 
 FAIL_WITHIN_S = 5.0  # a handshake failure never heals: no retry budget is spent on it
 CLI_FAIL_WITHIN_S = 10.0  # plus a Python start-up and gRPC import on a busy machine

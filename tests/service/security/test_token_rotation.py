@@ -18,7 +18,7 @@ import grpc
 import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
-from rlfeed.service.security.config import SecurityConfig
+from rlfeed.service.config.security import SecurityConfig
 from rlfeed.service.security.interceptor import AuthInterceptor
 from rlfeed.service.security.signals import reload_tokens_on_sighup
 from rlfeed.service.security.tokens import TokenFileError, TokenStore, parse_token_file

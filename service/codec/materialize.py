@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from rlfeed.sched.assembly import StepPlan, TokenColumns
 from rlfeed.sched.gather import TokenScratch
-from rlfeed.service.frontend.codec import join_rank_response
-from rlfeed.service.frontend.response_pieces import (
+from rlfeed.service.codec.messages import join_rank_response
+from rlfeed.service.codec.response_pieces import (
     encode_spans,
     rank_header,
     step_spans,

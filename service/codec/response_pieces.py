@@ -30,7 +30,7 @@ from rlfeed.sched.gather import (
     locate_sequences,
     microbatch_pieces,
 )
-from rlfeed.service.frontend.codec import encode_microbatch_parts, microbatch_parts
+from rlfeed.service.codec.messages import encode_microbatch_parts, microbatch_parts
 
 _per_thread = threading.local()
 

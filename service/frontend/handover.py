@@ -15,7 +15,7 @@ from rlfeed.service.frontend.assembler import ASSEMBLY_RETRY_SECONDS, StepAssemb
 from rlfeed.service.frontend.serving import POLL_SECONDS
 from rlfeed.service.frontend.state import FrontendState
 
-_log = logging.getLogger("rlfeed.service.replicas.handover")
+_log = logging.getLogger("rlfeed.service.frontend.handover")
 # A replica leaving waits at most this long for its own planned steps to be materialized,
 # and again for the other front-ends' steps that read its batches to be stored.
 HAND_OVER_SECONDS = 30.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import ray
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.frontends.actor import FrontendActor, FrontendPlace
+from rlfeed.service.scaleout.actor import FrontendActor, FrontendPlace
 
 WATCH_TIMEOUT_S = 5.0  # an answer slower than this counts as down (restarting or cut off)
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 
 from rlfeed.proto import rlfeed_pb2 as pb
-from rlfeed.service.server_config import ServerConfig
+from rlfeed.service.config.server import ServerConfig
 
 # A UTF-8 character takes at most this many bytes: ids this many times shorter than the
 # cap in characters are within it without being encoded.

@@ -1,5 +1,5 @@
 """`rlfeed serve` with `[frontends] count` > 0: this process is the Ray driver that owns
-the scheduler actor and the front-end actors (`service/frontends/`); it serves nothing
+the scheduler actor and the front-end actors (`actor.py`, `placement.py`); it serves nothing
 itself. It prints where each front-end listens, then one line
 
     rlfeed serve: listening on HOST:PORT,HOST:PORT (Ray at ..., 2 front-ends as Ray actors; TLS off,
@@ -24,7 +24,7 @@ def serve_frontend_actors(
     config: SidecarConfig, ray_address: str | None, where: str, stop: threading.Event
 ) -> int:
     from rlfeed.service.frontend.server import connect_ray
-    from rlfeed.service.frontends.placement import FrontendLost, start_frontend_actors
+    from rlfeed.service.scaleout.placement import FrontendLost, start_frontend_actors
     from rlfeed.service.scheduler.actor import create_scheduler_actor
 
     started_ray = connect_ray(config, ray_address)

@@ -20,7 +20,7 @@ import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.journaling import frontend_slot
 
-_log = logging.getLogger("rlfeed.service.frontends.actor")
+_log = logging.getLogger("rlfeed.service.scaleout.actor")
 ORPHAN_TIMEOUT_S = 60.0
 
 

@@ -13,10 +13,10 @@ INVALID_ARGUMENT and rejects the batch as a whole. Checks that need the schedule
 from __future__ import annotations
 
 import numpy as np
+from rlfeed.service.codec.messages import RolloutBatchArrays
+from rlfeed.service.codec.request_checks import first_long_id
+from rlfeed.service.config.server import DEFAULT_MAX_ID_BYTES, DEFAULT_MAX_IDS_PER_CALL
 from rlfeed.service.errors import InvalidBatchError, RejectReason, rollout_error
-from rlfeed.service.frontend.codec import RolloutBatchArrays
-from rlfeed.service.frontend.requests import first_long_id
-from rlfeed.service.server_config import DEFAULT_MAX_ID_BYTES, DEFAULT_MAX_IDS_PER_CALL
 
 # A log-probability is <= 0. Samplers compute it in float32 (and sometimes bf16 before the
 # log-softmax), so a certain token can come out a few ulps above 0: tolerated up to here.

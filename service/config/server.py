@@ -18,10 +18,10 @@ clients from starving the rest (`frontend/call_guard.py` enforces them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES
+from rlfeed.service.config.fields import documented, requirement
 
 _MAX_RETAINED_MIB = MAX_RETAINED_BYTES >> 20  # retained_free_mib in MiB fits mallopt's int
 # GetStatus calls in flight at once (all clients): its own slots, so operators can always
@@ -33,32 +33,27 @@ DEFAULT_MAX_IDS_PER_CALL = 100_000
 DEFAULT_MAX_ID_BYTES = 256
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit)."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _require(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"[server] {name}: {message}")
+_require = requirement("server")
 
 
 @dataclass(kw_only=True, frozen=True)
 class ServerConfig:
     """Where the gRPC front-end listens, how much it accepts and what one client may hold."""
 
-    host: str = _f("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
-    port: int = _f(50051, "gRPC port; 0 picks a free port (printed at start-up)")
-    metrics_port: int = _f(0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint")
-    metrics_host: str = _f(
+    host: str = documented("127.0.0.1", "interface to bind; 0.0.0.0 to serve other machines")
+    port: int = documented(50051, "gRPC port; 0 picks a free port (printed at start-up)")
+    metrics_port: int = documented(
+        0, "Prometheus /metrics (and /layout.png) port; 0 = no metrics endpoint"
+    )
+    metrics_host: str = documented(
         "127.0.0.1",
         "interface the metrics port binds, separate from host so it stays on loopback when "
         "gRPC serves other machines; 0.0.0.0 for a remote Prometheus",
     )
-    max_message_bytes: int = _f(
+    max_message_bytes: int = documented(
         512 * 1024 * 1024, "largest gRPC message either way, bytes (a step of 8k-token rollouts)"
     )
-    max_workers: int = _f(
+    max_workers: int = documented(
         128,
         "gRPC handler threads (the public server's pool): every admitted stream or unary "
         "call holds one while it runs (an open SubmitRollouts stream for its whole life); a "
@@ -66,101 +61,101 @@ class ServerConfig:
         f"Must leave {RESERVED_WORKERS} over max_streams + max_unary_calls (GetStatus and "
         "health)",
     )
-    max_streams: int = _f(
+    max_streams: int = documented(
         16,
         "SubmitRollouts streams open at once, all clients; one more answers "
         "RESOURCE_EXHAUSTED (RolloutWriter sends unary calls and opens none)",
     )
-    max_long_polls: int = _f(
+    max_long_polls: int = documented(
         4096,
         "GetBatch calls in flight at once, all clients (a BatchLoader rank has one); one "
         "more answers RESOURCE_EXHAUSTED, which BatchLoader retries. A waiting call holds "
         "no thread, only memory: about 26 KiB each (tests/bench/bench_long_poll.py, 256 and "
         "1024 calls), so 4096 waiting hold ~110 MiB",
     )
-    max_unary_calls: int = _f(
+    max_unary_calls: int = documented(
         32,
         "other rlfeed.v1 calls in flight at once, all clients (SubmitRolloutBatch, "
         "RegisterTasks, SampleTasks, ReportTrainerMetrics); one more answers "
         f"RESOURCE_EXHAUSTED, which RolloutWriter retries. GetStatus has {STATUS_SLOTS} "
         "slots of its own; the health service is never limited",
     )
-    max_calls_per_client: int = _f(
+    max_calls_per_client: int = documented(
         32,
         "streams, long polls and unary calls one client address (IP, whatever the port) "
         "may have in flight together; one more answers RESOURCE_EXHAUSTED. Every process "
         "of a host behind one address (or a NAT) shares it; 0 = no per-client limit",
     )
-    max_pending_calls: int = _f(
+    max_pending_calls: int = documented(
         8192,
         "calls in flight at once, all kinds, waiting long polls included (gRPC's "
         "maximum_concurrent_rpcs): beyond it any call, health included, answers "
         "RESOURCE_EXHAUSTED before a thread or memory is spent on it. Must be >= the sum "
         f"of the caps + {RESERVED_WORKERS}",
     )
-    max_wait_seconds: float = _f(
+    max_wait_seconds: float = documented(
         60.0, "upper bound on how long GetBatch waits for an unassembled step, seconds"
     )
-    request_idle_timeout_s: float = _f(
+    request_idle_timeout_s: float = documented(
         120.0,
         "a call waiting this long for its next request message is cancelled (CANCELLED), "
         "freeing its slot and thread: a SubmitRollouts stream that sends nothing, a unary "
         "call whose message does not arrive; seconds, 0 = never",
     )
-    keepalive_time_s: float = _f(
+    keepalive_time_s: float = documented(
         60.0,
         "the server pings a connection after this long without traffic, seconds "
         "(grpc.keepalive_time_ms), so the calls of a vanished client end; 0 = no pings",
     )
-    keepalive_timeout_s: float = _f(
+    keepalive_timeout_s: float = documented(
         20.0, "a connection whose ping is not answered within this long is closed, seconds"
     )
-    max_connection_idle_s: float = _f(
+    max_connection_idle_s: float = documented(
         300.0,
         "a connection with no call for this long is closed (GOAWAY; clients reconnect on "
         "their next call), seconds; this also closes raw sockets that never speak "
         "HTTP/2; 0 = never",
     )
-    max_connection_age_s: float = _f(
+    max_connection_age_s: float = documented(
         0.0,
         "connections are closed after this long, seconds (calls in flight get "
         "max_connection_age_grace_s to finish; clients reconnect), e.g. to rebalance "
         "replicas; 0 = never",
     )
-    max_connection_age_grace_s: float = _f(
+    max_connection_age_grace_s: float = documented(
         120.0,
         "how long calls in flight on a connection past max_connection_age_s may run on "
         "before they are cancelled, seconds (more than max_wait_seconds)",
     )
-    handshake_timeout_s: float = _f(
+    handshake_timeout_s: float = documented(
         10.0, "a new connection must finish its TLS/HTTP2 handshake within this long, seconds"
     )
-    max_ids_per_call: int = _f(
+    max_ids_per_call: int = documented(
         DEFAULT_MAX_IDS_PER_CALL,
         "task ids in one RegisterTasks call, rollouts in one batch; more is INVALID_ARGUMENT",
     )
-    max_id_bytes: int = _f(
+    max_id_bytes: int = documented(
         DEFAULT_MAX_ID_BYTES,
         "UTF-8 bytes of one task, group or rollout id; longer is INVALID_ARGUMENT",
     )
-    max_tasks: int = _f(
+    max_tasks: int = documented(
         1_000_000,
         "task pool size (about 200 bytes per task in the scheduler actor); a RegisterTasks "
         "call that would grow it beyond this is INVALID_ARGUMENT, as a whole",
     )
-    replicas: int = _f(
+    replicas: int = documented(
         1,
         "front-end processes (`rlfeed serve`) sharing the gRPC port (SO_REUSEPORT) and the "
         "scheduler actor: ingest and serving use that many interpreters' worth of cores",
     )
-    max_held_response_bytes: int = _f(
+    max_held_response_bytes: int = documented(
         256 * 2**20,
         "bytes of stored steps' responses a front-end keeps in its own memory, served from "
         "there; beyond it the oldest still held move to the Ray object store (a few large "
         "moves down to 3/4 of it). Where they are, steps not yet fetched by every rank count "
         "towards [rollouts] max_buffered_bytes; retained_steps fetched ones come on top",
     )
-    retained_free_mib: int = _f(
+    retained_free_mib: int = documented(
         1024,
         "MiB of free memory a heap of the front-end's process may hold at its top before "
         "glibc hands it back to the kernel (process-wide; buffers up to 32 MiB then come "

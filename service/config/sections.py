@@ -1,50 +1,26 @@
-"""The sidecar's configuration: a TOML file mapped onto frozen dataclasses.
-
-One section per concern (`[server]` in `server_config.py`, `[security]` in
-`security/config.py`, `[journal]` in `journal/config.py`, `[ray]`, `[batching]`,
-`[rollouts]`, `[advantages]`, `[curriculum]`, `[accounting]`); every field carries its
-meaning, unit and default in its `doc` metadata, which is also what
-`dump_config(..., with_docs=True)` prints (the shipped `deploy/rlfeed.example.toml` is exactly
-that output). Unknown keys, at any level, are an error naming the key and its section; values
-are type-checked (an int where a float is expected is fine, a bool where an int is expected
-is not).
-"""
+"""The sections whose owner is `rlfeed.sched` (which imports nothing from the service):
+`[ray]`, `[batching]`, `[rollouts]`, `[advantages]`, `[curriculum]`, `[accounting]`."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import textwrap
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 from rlfeed.sched.models import GPUS, MODELS
 from rlfeed.sched.rounds import StepGroups
 from rlfeed.sched.throughput import EpisodeShape
-from rlfeed.service.frontends.config import FrontendsConfig
-from rlfeed.service.journal.config import JournalConfig
-from rlfeed.service.security.config import SecurityConfig
-from rlfeed.service.server_config import ServerConfig
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
+from rlfeed.service.config.fields import documented, require
 
 FROM_MODEL = -1.0  # [batching] attention_weight: derive it from [accounting] model
 
+# The enum-like fields' values: sched/'s own Literals (budgets.CostModel, packing.PackingMethod,
+# advantages.AdvantageMode), spelled again here because those modules import numpy.
+CostModel = Literal["packed", "padded"]
+PackingMethod = Literal["ffd", "bfd"]
+AdvantageMode = Literal["mean", "mean_std", "constant"]
 
-def documented(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit), which the example
-    config prints."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _require(condition: bool, section: str, name: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"[{section}] {name}: {message}")
+_require = require
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -72,10 +48,10 @@ class BatchingConfig:
     world_size: int = documented(
         1, "data-parallel trainer ranks; each gets the same microbatch count"
     )
-    cost_model: str = documented(
+    cost_model: CostModel = documented(
         "packed", "'packed' (varlen rows) or 'padded' (rows padded to longest)"
     )
-    packing_method: str = documented(
+    packing_method: PackingMethod = documented(
         "ffd", "bin packing: 'ffd' (first-fit) or 'bfd' (best-fit decreasing)"
     )
     attention_weight: float = documented(
@@ -96,8 +72,10 @@ class BatchingConfig:
     def __post_init__(self) -> None:
         _require(self.token_budget >= 1, "batching", "token_budget", "must be >= 1")
         _require(self.world_size >= 1, "batching", "world_size", "must be >= 1")
-        _require(self.cost_model in ("packed", "padded"), "batching", "cost_model", "packed|padded")
-        _require(self.packing_method in ("ffd", "bfd"), "batching", "packing_method", "ffd|bfd")
+        _require(self.cost_model in get_args(CostModel), "batching", "cost_model", "packed|padded")
+        _require(
+            self.packing_method in get_args(PackingMethod), "batching", "packing_method", "ffd|bfd"
+        )
         _require(
             self.attention_weight >= 0 or self.attention_weight == FROM_MODEL,
             "batching",
@@ -112,7 +90,7 @@ class RolloutsConfig:
     """What makes a step and which rollouts are accepted."""
 
     prompts_per_step: int = documented(8, "complete groups (tasks) per training step")
-    step_groups: Literal["fixed", "sampled"] = documented(
+    step_groups: StepGroups = documented(
         "fixed",
         "how many complete groups a step takes: 'fixed' = prompts_per_step; 'sampled' = as "
         "many as the curriculum handed out (filtered runs train on fewer groups, as in the "
@@ -221,7 +199,9 @@ class RolloutsConfig:
 class AdvantagesConfig:
     """Group-relative advantages."""
 
-    mode: str = documented("mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)")
+    mode: AdvantageMode = documented(
+        "mean_std", "'mean', 'mean_std' (GRPO) or 'constant' (Dr. GRPO)"
+    )
     scale: float = documented(1.0, "divisor of reward - group mean in 'constant' mode")
     drop_zero_advantage: bool = documented(
         False,
@@ -230,7 +210,7 @@ class AdvantagesConfig:
     )
 
     def __post_init__(self) -> None:
-        modes = ("mean", "mean_std", "constant")
+        modes = get_args(AdvantageMode)
         _require(self.mode in modes, "advantages", "mode", f"one of {modes}, got {self.mode!r}")
         _require(self.scale > 0, "advantages", "scale", "must be > 0")
 
@@ -239,6 +219,8 @@ class AdvantagesConfig:
 class CurriculumSection:
     """Which tasks to sample (maps onto sched.curriculum.CurriculumConfig)."""
 
+    # estimator and sampling stay str: sched.curriculum.CurriculumConfig checks them, and its
+    # message ("estimator must be one of ...") is the one users see.
     estimator: str = documented(
         "ema", "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior"
     )
@@ -317,213 +299,3 @@ class AccountingConfig:
         )
         _require(self.model in MODELS, "accounting", "model", f"one of {sorted(MODELS)}")
         _require(self.gpu in GPUS, "accounting", "gpu", f"one of {sorted(GPUS)}")
-
-
-@dataclass(kw_only=True, frozen=True)
-class SidecarConfig:
-    """The whole resolved configuration of one `rlfeed serve`."""
-
-    server: ServerConfig = field(default_factory=ServerConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
-    advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
-    curriculum: CurriculumSection = field(default_factory=CurriculumSection)
-    accounting: AccountingConfig = field(default_factory=AccountingConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    journal: JournalConfig = field(default_factory=JournalConfig)
-    frontends: FrontendsConfig = field(default_factory=FrontendsConfig)
-
-    def __post_init__(self) -> None:
-        _require(
-            not (self.frontends.count and self.server.replicas > 1),
-            "server",
-            "replicas",
-            "must be 1 with [frontends] count > 0 (Ray places the front-ends then)",
-        )
-        _require(
-            self.rollouts.max_buffered_bytes >= self.server.max_message_bytes,
-            "rollouts",
-            "max_buffered_bytes",
-            f"must be >= [server] max_message_bytes ({self.server.max_message_bytes}): "
-            "the largest batch must fit",
-        )
-
-    @property
-    def model_attention_weight(self) -> float:
-        """The [accounting] model's weight: tokens + it x sum(L^2) is proportional to the
-        model's FLOPs (`rlfeed.sched.compute`); the step's compute figures use it."""
-        from rlfeed.sched.compute import model_attention_weight
-
-        return model_attention_weight(self.accounting.model)
-
-    @property
-    def resolved_attention_weight(self) -> float:
-        """[batching] attention_weight, or the model's when it is FROM_MODEL."""
-        if self.batching.attention_weight != FROM_MODEL:
-            return self.batching.attention_weight
-        return self.model_attention_weight
-
-    def step_config(self):
-        """The sched.assembly.StepConfig this run assembles steps with."""
-        from rlfeed.sched.assembly import StepConfig
-
-        return StepConfig(
-            token_budget=self.batching.token_budget,
-            world_size=self.batching.world_size,
-            cost_model=self.batching.cost_model,
-            packing_method=self.batching.packing_method,
-            attention_weight=self.resolved_attention_weight,
-            compute_weight=self.model_attention_weight,
-            advantage_mode=self.advantages.mode,
-            advantage_scale=self.advantages.scale,
-            drop_zero_advantage=self.advantages.drop_zero_advantage,
-        )
-
-
-def _check_type(section: str, name: str, expected: Any, value: Any) -> Any:
-    """`value` as the field's type (`expected`: int, float, str, bool or a Literal of
-    strings), or ValueError naming the field."""
-    if get_origin(expected) is Literal:
-        allowed = get_args(expected)
-        if not isinstance(value, str) or value not in allowed:
-            raise ValueError(
-                f"[{section}] {name}: expected one of {', '.join(map(repr, allowed))}, "
-                f"got {value!r}"
-            )
-        return value
-    expected_type = expected
-    if expected_type is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) != (expected_type is bool) or not isinstance(value, expected_type):
-        raise ValueError(
-            f"[{section}] {name}: expected {expected_type.__name__}, got {value!r} "
-            f"({type(value).__name__})"
-        )
-    return value
-
-
-def _build(cls: type, values: dict[str, Any], section: str) -> Any:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    types = get_type_hints(cls)  # the annotations are strings (`from __future__`)
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        if key not in known:
-            where = f"section [{section}]" if section else "the top level"
-            raise ValueError(
-                f"unknown config key {key!r} in {where}; known keys: {', '.join(known)}"
-            )
-        expected = types[key]
-        if dataclasses.is_dataclass(_SECTIONS.get(key)) and not section:
-            if not isinstance(value, dict):
-                raise ValueError(f"[{key}] must be a table, got {value!r}")
-            kwargs[key] = _build(_SECTIONS[key], value, key)
-        else:
-            kwargs[key] = _check_type(section, key, expected, value)
-    return cls(**kwargs)
-
-
-_SECTIONS: dict[str, type] = {
-    "server": ServerConfig,
-    "ray": RayConfig,
-    "batching": BatchingConfig,
-    "rollouts": RolloutsConfig,
-    "advantages": AdvantagesConfig,
-    "curriculum": CurriculumSection,
-    "accounting": AccountingConfig,
-    "security": SecurityConfig,
-    "journal": JournalConfig,
-    "frontends": FrontendsConfig,
-}
-
-
-def config_from_dict(values: dict[str, Any]) -> SidecarConfig:
-    """Build a SidecarConfig from nested dicts (TOML tables); unknown keys are errors."""
-    return _build(SidecarConfig, values, "")
-
-
-def load_config(path: str | Path | None = None) -> SidecarConfig:
-    """Read a TOML file (None = all defaults)."""
-    if path is None:
-        return SidecarConfig()
-    path = Path(path)
-    try:
-        with path.open("rb") as handle:
-            values = tomllib.load(handle)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from exc
-    try:
-        return config_from_dict(values)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
-def with_overrides(config: SidecarConfig, **sections: dict[str, Any]) -> SidecarConfig:
-    """Copy of `config` with some fields replaced, e.g. with_overrides(c, server={"port": 0})."""
-    values = config_to_dict(config)
-    for section, fields in sections.items():
-        values.setdefault(section, {}).update(fields)
-    return config_from_dict(values)
-
-
-def config_to_dict(config: SidecarConfig) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(config)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, int):
-        return f"{value:_}" if abs(value) >= 1_000_000 else str(value)
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
-def _resolved_attention_weight(config: SidecarConfig) -> str:
-    """A comment naming the weight that FROM_MODEL resolves to; empty for explicit ones."""
-    if config.batching.attention_weight != FROM_MODEL:
-        return ""
-    weight, model = config.resolved_attention_weight, config.accounting.model
-    return f"  # resolved: {weight:.4g} from {model}'s FLOPs"
-
-
-def dump_config(config: SidecarConfig, fmt: str = "toml", *, with_docs: bool = False) -> str:
-    """The resolved config as TOML (optionally with each field's doc as a comment) or JSON."""
-    if fmt == "json":
-        return json.dumps(config_to_dict(config), indent=2)
-    if fmt != "toml":
-        raise ValueError(f"fmt must be 'toml' or 'json', got {fmt!r}")
-    lines: list[str] = []
-    for section in dataclasses.fields(SidecarConfig):
-        values = getattr(config, section.name)
-        if lines:
-            lines.append("")
-        if with_docs:
-            lines.append(f"# {type(values).__doc__.strip().splitlines()[0]}")
-        lines.append(f"[{section.name}]")
-        for item in dataclasses.fields(values):
-            if with_docs:
-                default = _toml_value(item.default)
-                text = f"{item.metadata['doc']} (default {default})"
-                lines.extend(textwrap.wrap(text, 98, initial_indent="# ", subsequent_indent="# "))
-            line = f"{item.name} = {_toml_value(getattr(values, item.name))}"
-            if (section.name, item.name) == ("batching", "attention_weight"):
-                line += _resolved_attention_weight(config)
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
-EXAMPLE_HEADER = """\
-# rlfeed sidecar configuration: every field with its meaning, unit and default.
-# Use: rlfeed serve --config rlfeed.example.toml   (flags --host/--port override [server])
-# Unknown keys are an error. Generated from rlfeed.service.config (example_config_text);
-# tests/service/test_config.py keeps this file in sync with the dataclasses.
-"""
-
-
-def example_config_text() -> str:
-    """The documented default config: the content of deploy/rlfeed.example.toml."""
-    return EXAMPLE_HEADER + "\n" + dump_config(SidecarConfig(), "toml", with_docs=True)

@@ -9,8 +9,9 @@ class and print it with the rest of the resolved config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from rlfeed.service.config.fields import documented
 
 SYNC_POLICIES: tuple[str, ...] = ("always", "group", "none")
 
@@ -19,60 +20,55 @@ MiB = 1 << 20
 MAX_RECORD_BYTES_LIMIT = (1 << 32) - 1
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit)."""
-    return field(default=default, metadata={"doc": doc})
-
-
 @dataclass(kw_only=True, frozen=True)
 class JournalConfig:
     """Durability: where the sidecar journals what it acknowledges, and how it syncs it."""
 
-    dir: str = _f(
+    dir: str = documented(
         "",
         "folder of the sidecar's journal, on local disk or shared storage; empty = off: "
         "a crash then loses every buffered rollout and the curriculum (production runs set "
         "it). Inside: scheduler/ (the scheduler's calls and snapshots) and frontend-N/ (each "
         "front-end's ingest payloads and step responses)",
     )
-    snapshot_every_records: int = _f(
+    snapshot_every_records: int = documented(
         20_000,
         "the scheduler snapshots its state after this many journaled calls, count; the "
         "journal before the older kept snapshot is then deleted, so a restart replays at "
         "most about twice this many calls",
     )
 
-    segment_bytes: int = _f(
+    segment_bytes: int = documented(
         256 * MiB,
         "a segment file is closed and a new one started once the next record would take it "
         "past this many bytes (a segment holds at least one record), bytes; retention "
         "deletes whole segments, so this is also its granularity",
     )
-    max_record_bytes: int = _f(
+    max_record_bytes: int = documented(
         512 * MiB,
         "largest payload one record may carry, bytes; appends above it are refused and a "
         "reader never reads more than this for one record (the sidecar's largest ingest "
         "message, i.e. `[server] max_message_bytes`)",
     )
-    sync: str = _f(
+    sync: str = documented(
         "group",
         'when an append is made durable before it returns: "always" = one fsync per record; '
         '"group" = concurrent appends share one fsync (durable before return, at most '
         'group_commit_window_seconds later); "none" = the OS writes back when it likes: '
         "survives a killed process, not a power loss or kernel crash",
     )
-    group_commit_window_seconds: float = _f(
+    group_commit_window_seconds: float = documented(
         0.0,
         'with sync = "group": how long the thread that leads an fsync waits for other '
         "appends to join it, seconds; it bounds the latency added to an append. 0 still "
         "batches the appends that arrive while the previous fsync runs",
     )
-    snapshots_kept: int = _f(
+    snapshots_kept: int = documented(
         2,
         "newest valid snapshots kept on disk, count (>= 2, so a damaged newest snapshot "
         "falls back to the previous one; retention must keep the records after the oldest)",
     )
-    max_snapshot_bytes: int = _f(
+    max_snapshot_bytes: int = documented(
         4096 * MiB,
         "largest snapshot written or read, bytes; a bigger one is refused, never half-read",
     )

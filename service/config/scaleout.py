@@ -12,44 +12,38 @@ front-ends on one machine that clients address one by one).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from rlfeed.service.config.fields import documented, requirement
 
 PORT_MODES = ("same", "consecutive")
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit)."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _require(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"[frontends] {name}: {message}")
+_require = requirement("frontends")
 
 
 @dataclass(kw_only=True, frozen=True)
 class FrontendsConfig:
     """Front-ends as Ray actors across the cluster (0 = in the `rlfeed serve` process)."""
 
-    count: int = _f(
+    count: int = documented(
         0,
         "front-ends run as Ray actors placed by Ray, count; 0 = the front-end runs in the "
         "rlfeed serve process (and [server] replicas more on this machine)",
     )
-    resource: str = _f(
+    resource: str = documented(
         "",
         'custom Ray resource a node offers to host front-ends (e.g. "rlfeed_frontend"; '
         "each front-end takes one unit, so a node with 1 hosts at most one); empty = spread "
         "over every node",
     )
-    ports: str = _f(
+    ports: str = documented(
         "same",
         '"same": every front-end binds [server] port (one address per node, a headless '
         'Service in front); "consecutive": front-end i binds port + i (several on one host)',
     )
-    num_cpus: float = _f(1.0, "CPUs Ray reserves for each front-end actor")
-    serving_timeout_s: float = _f(
+    num_cpus: float = documented(1.0, "CPUs Ray reserves for each front-end actor")
+    serving_timeout_s: float = documented(
         120.0,
         "a front-end not serving within this many seconds of its start (not placed: no "
         "node offers the resource or the CPUs) or of its death (no node to restart it "

@@ -4,53 +4,43 @@ Every field is a path or a switch, never a secret itself, so the resolved config
 printed and dumped at start-up as every other section. Empty paths mean "off": the
 defaults are plaintext without tokens, which is safe only on loopback (the default host).
 Structure is checked when the section is built (`ValueError` naming the field);
-`check_files()` reads the files, for start-up to fail before it listens.
+`rlfeed.service.security.files.check_files` reads the files, for start-up to fail before
+it listens.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import stat
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-_log = logging.getLogger(__name__)
+from rlfeed.service.config.fields import documented, requirement
 
-
-def _f(default: Any, doc: str) -> Any:
-    """A field with a default and its documentation (meaning, unit)."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _require(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"[security] {name}: {message}")
+_require = requirement("security")
 
 
 @dataclass(kw_only=True, frozen=True)
 class SecurityConfig:
     """Who may connect and call: TLS or mutual TLS, and bearer tokens with roles."""
 
-    tls_cert: str = _f(
+    tls_cert: str = documented(
         "",
         "PEM certificate chain the gRPC port presents (path); with tls_key, the port "
         "speaks TLS only; '' = plaintext",
     )
-    tls_key: str = _f("", "PEM private key of tls_cert (path; keep it mode 0600); '' = none")
-    tls_client_ca: str = _f(
+    tls_key: str = documented(
+        "", "PEM private key of tls_cert (path; keep it mode 0600); '' = none"
+    )
+    tls_client_ca: str = documented(
         "",
         "PEM CA certificates (path) a client's certificate must chain to: mutual TLS, a "
         "client without one fails the handshake; needs tls_cert; '' = no client certificates",
     )
-    auth_token_file: str = _f(
+    auth_token_file: str = documented(
         "",
         "file of 'TOKEN ROLE' lines (path; roles producer, trainer, admin): every rlfeed.v1 "
         "call then needs 'authorization: Bearer TOKEN' metadata of a role allowed for it; "
         "re-read on SIGHUP; '' = no tokens",
     )
-    allow_reflection: bool = _f(
+    allow_reflection: bool = documented(
         False,
         "serve gRPC server reflection on the public port (lists the services; with a token "
         "file it needs a token of any role); false = reflection calls are UNIMPLEMENTED",
@@ -96,35 +86,3 @@ class SecurityConfig:
         tokens on"."""
         switches = (("TLS", self.tls), ("mTLS", self.mutual_tls), ("tokens", self.tokens))
         return ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches)
-
-    def check_files(self) -> None:
-        """Every configured file is a readable regular file, the certificate and key are a
-        pair valid now (`certificates.py`), and the token file parses: ValueError naming
-        the field otherwise. Then a key or token file that other users may read is logged
-        as a warning (its path, not its content)."""
-        from rlfeed.service.security.certificates import check_certificate_pair
-        from rlfeed.service.security.tokens import TokenFileError, read_token_file
-
-        paths = {
-            name: Path(getattr(self, name))
-            for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
-            if getattr(self, name)
-        }
-        for name, path in paths.items():
-            _require(path.is_file(), name, f"{path} is not a file")
-            _require(os.access(path, os.R_OK), name, f"{path} is not readable")
-        if self.tls:
-            check_certificate_pair(self.tls_cert, self.tls_key)
-        if self.auth_token_file:
-            try:
-                read_token_file(self.auth_token_file)
-            except TokenFileError as exc:
-                raise ValueError(f"[security] auth_token_file: {exc}") from None
-        for name in ("tls_key", "auth_token_file"):
-            path = paths.get(name)
-            if path is not None and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                _log.warning(
-                    "rlfeed: [security] %s: %s is readable by other users (chmod 600 it)",
-                    name,
-                    path,
-                )

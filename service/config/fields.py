@@ -1,0 +1,29 @@
+"""The one field helper every section uses: a default with its documentation, and the
+check that names the section and field when a value is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any
+
+
+def documented(default: Any, doc: str) -> Any:
+    """A field with a default and its documentation (meaning, unit), which the example
+    config prints."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def require(condition: bool, section: str, name: str, message: str) -> None:
+    """ValueError "[section] name: message" unless `condition` holds."""
+    if not condition:
+        raise ValueError(f"[{section}] {name}: {message}")
+
+
+def requirement(section: str) -> Callable[[bool, str, str], None]:
+    """`require` bound to one section, for a module that holds only that section."""
+
+    def check(condition: bool, name: str, message: str) -> None:
+        require(condition, section, name, message)
+
+    return check

@@ -1,0 +1,10 @@
+"""Running N front-ends on one scheduler actor, two ways (mutually exclusive):
+
+- `processes.py`  `[server] replicas`: forked front-end processes on this machine,
+                  restarted when they die (`rlfeed serve` watches them)
+- `actor.py`, `placement.py`, `driver.py`  `[frontends] count`: front-ends as Ray actors
+                  placed across the cluster, each serving the gRPC port of its node; the
+                  driver owns them and watches them until told to stop
+
+One front-end (server, handlers, peers, hand-over) is `service/frontend/`.
+"""
