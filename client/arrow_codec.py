@@ -54,6 +54,10 @@ class RolloutColumns:
     def __len__(self) -> int:
         return len(self.rollout_id)
 
+    def token_bytes(self) -> int:
+        """The token payload of every row, in bytes (what `append` returned, summed)."""
+        return sum(tokens.size for tokens in self.token_ids) * TOKEN_BYTES
+
     def append(
         self,
         *,

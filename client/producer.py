@@ -9,10 +9,11 @@
 `RolloutBatch` that a background sender thread encodes (`arrow_codec.encode_rollout_batch`)
 and submits, so generation and network overlap; with `max_in_flight` > 1, that many sender
 threads keep batches in flight together. The writer holds at most
-`max_buffered_rollouts` rollouts that the sidecar has not acknowledged (pending + queued +
-in flight). When the sidecar answers RESOURCE_EXHAUSTED the sender retries the batch at the
-pace the sidecar hints (`rlfeed-retry-after-ms`, else with backoff), logging a warning that
-names the sidecar and its bound at once and every 10 s; the writer's buffer then fills,
+`max_buffered_rollouts` rollouts, and at most `max_buffered_bytes` of their token payload,
+that the sidecar has not acknowledged (pending + queued + in flight). When the sidecar
+answers RESOURCE_EXHAUSTED the sender retries the batch at the pace the sidecar hints
+(`rlfeed-retry-after-ms`, else with backoff), logging a warning that names the sidecar and
+its bound at once and every 10 s; the writer's buffer then fills,
 and `write()` blocks (`on_full="block"`) or raises `BufferFullError` (`on_full="raise"`):
 backpressure reaches the producer instead of memory growing without bound. A batch over
 the sidecar's message size limit is not retried: its `MessageTooLargeError` names the limit
@@ -51,7 +52,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-from rlfeed.client.arrow_codec import RolloutColumns, encode_rollout_batch, encode_rollouts
+from rlfeed.client.arrow_codec import (
+    TOKEN_BYTES,
+    RolloutColumns,
+    encode_rollout_batch,
+    encode_rollouts,
+)
+from rlfeed.client.narrowing import narrowed_columns
 from rlfeed.client.retry import FullSidecar, RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
@@ -69,13 +76,12 @@ _log = logging.getLogger(__name__)
 # The sidecar's reason for a rollout of a task it does not know (service/scheduler/state.py).
 _UNKNOWN_TASK = "field task_id: unknown task"
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # RolloutWriter's batch limits (the benchmark sends the same batches through its raw stream).
 DEFAULT_MAX_BATCH_ROLLOUTS = 256
 DEFAULT_MAX_BATCH_BYTES = 8 << 20
+DEFAULT_MAX_BUFFERED_BYTES = 64 << 20  # 8 batches of the default size
 
 
 class RolloutWriter:
@@ -92,6 +98,10 @@ class RolloutWriter:
       bench_e2e_throughput.py --batch-rollouts N`); fewer, larger batches mean fewer
       scheduler-actor calls.
     max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
+    max_buffered_bytes: their token payload held at most, in bytes (9 a token: id, mask,
+      log-prob; >= max_batch_bytes); default 64 MiB, about 900 rollouts of 8k tokens. A
+      rollout larger than the whole bound is taken alone, once nothing else is held.
+      On top: each sender's serialized batch (see max_in_flight).
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
     retry_backoff_s: first wait after a RESOURCE_EXHAUSTED answer without the sidecar's
@@ -121,6 +131,7 @@ class RolloutWriter:
         max_batch_rollouts: int = DEFAULT_MAX_BATCH_ROLLOUTS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         max_buffered_rollouts: int = 4096,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
@@ -140,6 +151,11 @@ class RolloutWriter:
                 f"max_buffered_rollouts ({max_buffered_rollouts}) must be >= "
                 f"max_batch_rollouts ({max_batch_rollouts})"
             )
+        if max_buffered_bytes < max_batch_bytes:
+            raise ValueError(
+                f"max_buffered_bytes ({max_buffered_bytes}) must be >= "
+                f"max_batch_bytes ({max_batch_bytes})"
+            )
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if on_full not in ("block", "raise"):
@@ -158,6 +174,7 @@ class RolloutWriter:
         self.max_batch_rollouts = max_batch_rollouts
         self.max_batch_bytes = max_batch_bytes
         self.max_buffered_rollouts = max_buffered_rollouts
+        self.max_buffered_bytes = max_buffered_bytes
         self.on_full = on_full
         self.block_timeout_s = block_timeout_s
         self.retry_backoff_s = retry_backoff_s
@@ -175,6 +192,7 @@ class RolloutWriter:
         self._pending_bytes = 0
         self._queue: deque[RolloutColumns] = deque()
         self._unacked = 0  # pending + queued + in flight
+        self._unacked_bytes = 0  # their token payload
         self._in_flight = 0  # batches being submitted
         self._sequence = 0  # of the next batch sent
         self._acks: list[tuple[int, pb.SubmitAck]] = []  # (sequence, ack)
@@ -210,8 +228,8 @@ class RolloutWriter:
         with self._cond:
             self._raise_pending_error()
             self._check_open()
-            self._wait_for_room()
-            self._pending_bytes += self._pending.append(
+            self._wait_for_room(token_ids.size * TOKEN_BYTES)
+            nbytes = self._pending.append(
                 rollout_id=rollout_id,
                 task_id=task_id,
                 group_id=group_id,
@@ -221,6 +239,8 @@ class RolloutWriter:
                 action_mask=action_mask,
                 sampler_logprobs=sampler_logprobs,
             )
+            self._pending_bytes += nbytes
+            self._unacked_bytes += nbytes
             self._unacked += 1
             if (
                 len(self._pending) >= self.max_batch_rollouts
@@ -278,6 +298,11 @@ class RolloutWriter:
         """Rollouts written but not yet acknowledged by the sidecar."""
         return self._unacked
 
+    @property
+    def unacknowledged_bytes(self) -> int:
+        """Their token payload in bytes (bounded by `max_buffered_bytes`)."""
+        return self._unacked_bytes
+
     # -- tasks ----------------------------------------------------------------------------
 
     def register_tasks(self, task_ids: Sequence[str]) -> int:
@@ -331,23 +356,35 @@ class RolloutWriter:
             error, self._error = self._error, None
             raise error
 
-    def _wait_for_room(self) -> None:
-        if self._unacked < self.max_buffered_rollouts:
+    def _full(self, nbytes: int) -> bool:
+        """No room for one more rollout of `nbytes` token payload bytes (one larger than
+        the byte bound fits once nothing is held: it could never fit otherwise)."""
+        if self._unacked >= self.max_buffered_rollouts:
+            return True
+        return self._unacked > 0 and self._unacked_bytes + nbytes > self.max_buffered_bytes
+
+    def _held(self) -> str:
+        return (
+            f"{self._unacked} unacknowledged rollouts of {self._unacked_bytes} token bytes "
+            f"(max_buffered_rollouts={self.max_buffered_rollouts}, "
+            f"max_buffered_bytes={self.max_buffered_bytes})"
+        )
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        if not self._full(nbytes):
             return
         if self.on_full == "raise":
             raise BufferFullError(
-                f"RolloutWriter holds {self._unacked} unacknowledged rollouts "
-                f"(max_buffered_rollouts={self.max_buffered_rollouts})"
+                f"RolloutWriter holds {self._held()}: no room for a rollout of {nbytes} bytes"
             )
         if len(self._pending):
             self._seal()  # a full buffer of pending rollouts can only drain if sent
         deadline = None if self.block_timeout_s is None else time.monotonic() + self.block_timeout_s
-        while self._unacked >= self.max_buffered_rollouts and self._error is None:
+        while self._full(nbytes) and self._error is None:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise BufferFullError(
-                    f"RolloutWriter: no room after {self.block_timeout_s} s "
-                    f"({self._unacked} unacknowledged rollouts)"
+                    f"RolloutWriter: no room after {self.block_timeout_s} s ({self._held()})"
                 )
             self._cond.wait(remaining)
         self._raise_pending_error()
@@ -390,6 +427,7 @@ class RolloutWriter:
             with self._cond:
                 self._in_flight -= 1
                 self._unacked -= len(rows)
+                self._unacked_bytes -= rows.token_bytes()
                 if ack is not None:
                     self._acks.append((sequence, ack))
                 if error is not None and self._error is None:
@@ -439,46 +477,3 @@ class RolloutWriter:
                 return ack, None
             time.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
-
-
-def narrowed_columns(
-    rollout_id: str,
-    token_ids: Sequence[int] | np.ndarray,
-    action_mask: Sequence[int] | np.ndarray,
-    sampler_logprobs: Sequence[float] | np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The three token columns as their wire types (int32, uint8, float32), or a ValueError
-    naming the rollout, the field and the first value that does not survive narrowing (a
-    cast alone wraps a token id of 2**32 + 7 to 7). Arrays already of the wire type pass
-    unchecked and uncopied: the server validates their values."""
-    tokens = _narrowed(rollout_id, "token_ids", token_ids, np.int32)
-    mask = _narrowed(rollout_id, "action_mask", action_mask, np.uint8)
-    logprobs = _narrowed(rollout_id, "sampler_logprobs", sampler_logprobs, np.float32)
-    return tokens, mask, logprobs
-
-
-def _narrowed(rollout_id: str, field: str, values, dtype: type[np.generic]) -> np.ndarray:
-    array = np.asarray(values)
-    if array.dtype == dtype:
-        return array
-    if array.dtype.kind not in "biuf":
-        raise ValueError(f"rollout {rollout_id!r}: field {field}: got {array.dtype}, not numbers")
-    floats = array.dtype.kind == "f"
-    if dtype is np.float32:
-        bad = ~np.isfinite(array) | (np.abs(array) > _FLOAT32_MAX) if floats else None
-        rule = "is not a finite float32"
-    elif dtype is np.uint8:  # the action mask
-        bad = (array != 0) & (array != 1)
-        rule = "is not 0 or 1"
-    else:
-        bad = (array < _INT32_MIN) | (array > _INT32_MAX)
-        if floats:
-            bad |= ~np.isfinite(array) | (array != np.round(array))
-        rule = "is not an int32"
-    if bad is not None and bad.any():
-        index = int(np.flatnonzero(bad.ravel())[0])
-        raise ValueError(
-            f"rollout {rollout_id!r}: field {field}: {array.ravel()[index].item()} at token "
-            f"{index} {rule}"
-        )
-    return array.astype(dtype)

@@ -10,6 +10,7 @@ from rlfeed.service.journal.errors import (
     JournalError,
     JournalLockedError,
     JournalRangeError,
+    JournalVersionError,
     JournalWriteError,
 )
 from rlfeed.service.journal.journal import Journal
@@ -24,6 +25,7 @@ __all__ = [
     "JournalError",
     "JournalLockedError",
     "JournalRangeError",
+    "JournalVersionError",
     "JournalWriteError",
     "Record",
     "Snapshot",

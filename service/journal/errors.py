@@ -26,6 +26,24 @@ class JournalCorruptError(JournalError):
         super().__init__(f"journal file {self.file} is corrupt at byte offset {offset}: {reason}")
 
 
+class JournalVersionError(JournalError, ValueError):
+    """A journal file holds a format this rlfeed does not read: written by another rlfeed
+    version (a newer one, or one older than the oldest this one reads). Raised at once,
+    never skipped: recovery must not go on without what that file holds. `what` names the
+    format, `found` the version in the file, `reads` the versions this rlfeed reads."""
+
+    def __init__(
+        self, file: str | os.PathLike[str], what: str, found: int, reads: tuple[int, ...]
+    ) -> None:
+        self.file, self.what, self.found, self.reads = os.fspath(file), what, found, reads
+        readable = ", ".join(map(str, reads))
+        super().__init__(
+            f"{self.file}: {what} version {found} was written by another rlfeed version; this "
+            f"rlfeed reads {what} version {readable}. Run an rlfeed that reads it, or start on "
+            "an empty [journal] dir (service/journal/README.md: compatibility)"
+        )
+
+
 class JournalRangeError(JournalError):
     """Records asked for were deleted by retention (never silently skipped)."""
 

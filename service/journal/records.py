@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import google_crc32c
-from rlfeed.service.journal.errors import JournalCorruptError
+from rlfeed.service.journal.errors import JournalCorruptError, JournalVersionError
 
 _log = logging.getLogger("rlfeed.service.journal")
 
@@ -78,9 +78,7 @@ def decode_file_header(path: str | os.PathLike[str], header: bytes) -> int:
     if crc != crc32c(header[: _FILE_HEADER.size]):
         raise JournalCorruptError(path, 0, "file header CRC mismatch")
     if version != FORMAT_VERSION:
-        raise JournalCorruptError(
-            path, 0, f"format version {version}; this rlfeed reads version {FORMAT_VERSION}"
-        )
+        raise JournalVersionError(path, "segment format", version, (FORMAT_VERSION,))
     if flags != 0:
         raise JournalCorruptError(path, 0, f"unknown file header flags {flags:#x}")
     return base_seq

@@ -9,7 +9,8 @@ of the header's first 28 bytes and the body) followed by the msgpack body
 `{"version": state_version, "state": state}`. It is written to `*.tmp`, fsynced, renamed
 into place and the directory fsynced, so a crash leaves either the old set of snapshots or
 the new one; a leftover temp file is deleted and never read. A snapshot that fails a check
-is skipped with a warning in favour of the next older one.
+is skipped with a warning in favour of the next older one; one of another format version
+(its CRC intact) stops recovery with `JournalVersionError`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import google_crc32c
 import msgpack
 from rlfeed.service.config.journal import JournalConfig
+from rlfeed.service.journal.errors import JournalVersionError
 from rlfeed.service.journal.files import (
     create_file_atomically,
     fsync_directory,
@@ -95,7 +97,8 @@ class SnapshotStore:
 
         Damaged or unreadable ones are skipped with a warning; falling back is safe
         because `Journal.records_after` refuses if the records after an older snapshot
-        were deleted.
+        were deleted. An intact one of a format this rlfeed does not read raises
+        `JournalVersionError`: another rlfeed version wrote it.
         """
         for position, path in reversed(self._listed()):
             try:
@@ -141,8 +144,10 @@ class SnapshotStore:
         (crc,) = _U32.unpack_from(header, _HEAD.size)
         if crc != google_crc32c.extend(google_crc32c.value(header[: _HEAD.size]), body):
             raise SnapshotInvalid("CRC mismatch")
-        if fmt != SNAPSHOT_FORMAT_VERSION or flags != 0:
-            raise SnapshotInvalid(f"format version {fmt} flags {flags}; this rlfeed reads 1, 0")
+        if fmt != SNAPSHOT_FORMAT_VERSION:  # intact, another rlfeed's: never skipped
+            raise JournalVersionError(path, "snapshot format", fmt, (SNAPSHOT_FORMAT_VERSION,))
+        if flags != 0:
+            raise SnapshotInvalid(f"unknown header flags {flags:#x}")
         if header_position != position:
             raise SnapshotInvalid(f"header says position {header_position}, name {position}")
         try:

@@ -359,6 +359,12 @@ class SchedulerActor:
         full): one per rank; False if the step was released meanwhile."""
         return self._scheduler.move_step(step, responses)
 
+    def close(self) -> None:
+        """Close the scheduler's journal (releasing its directory lock): for a host that
+        keeps this body in-process, such as the golden-journal tools; Ray's actor exits."""
+        if isinstance(self._scheduler, JournaledScheduler):
+            self._scheduler.close()
+
     def stop_sidecar(self) -> None:
         """The first front-end is stopping the whole sidecar: replicas stopping now have
         nothing to hand over."""

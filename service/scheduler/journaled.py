@@ -27,7 +27,13 @@ from typing import Any
 import msgpack
 import numpy as np
 from rlfeed.service.config import SidecarConfig
-from rlfeed.service.journal import Journal, JournalConfig, JournalError, SnapshotStore
+from rlfeed.service.journal import (
+    Journal,
+    JournalConfig,
+    JournalError,
+    JournalVersionError,
+    SnapshotStore,
+)
 from rlfeed.service.scheduler.records import (
     BatchMeta,
     FetchResult,
@@ -234,9 +240,11 @@ class JournaledScheduler(Scheduler):
         after = 0
         if snapshot is not None:
             if snapshot.version not in READS_STATE_VERSIONS:
-                raise ValueError(
-                    f"{self._journal.directory}: snapshot at {snapshot.position} has state "
-                    f"version {snapshot.version}; this rlfeed reads {READS_STATE_VERSIONS}"
+                raise JournalVersionError(
+                    self._snapshots.directory / f"snapshot at {snapshot.position}",
+                    "scheduler state",
+                    snapshot.version,
+                    READS_STATE_VERSIONS,
                 )
             self.restore_state(snapshot.state, _unref)
             after = snapshot.position
@@ -267,9 +275,11 @@ class JournaledScheduler(Scheduler):
                     record.payload, raw=False, strict_map_key=False
                 )
                 if version != CALL_FORMAT_VERSION:
-                    raise ValueError(
-                        f"{self._journal.directory}: record {record.seq} has format version "
-                        f"{version}; this rlfeed reads {CALL_FORMAT_VERSION}"
+                    raise JournalVersionError(
+                        self._journal.directory / f"record {record.seq}",
+                        "scheduler call format",
+                        version,
+                        (CALL_FORMAT_VERSION,),
                     )
                 planned, stored = self._apply_recorded(method, args)
                 unstored.update((work.step, work) for work in planned)

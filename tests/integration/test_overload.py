@@ -4,16 +4,21 @@ process and every Ray process under it: VmRSS from /proc) stays under its idle f
 the bound plus a stated overhead; every refusal is RESOURCE_EXHAUSTED; nothing accepted is
 lost (accepted = trained + buffered + expired, and every step is served).
 
-Three phases on one sidecar, each `PHASE_S` long: two writers of complete groups of
-8k-token rollouts and no trainer; the same plus a writer that sends only the first rollout
-of every group (never completing one) and a slow trainer; 64k-token complete groups, the
-partial writer and the slow trainer. Then the trainer drains what the writers still hold.
+The slow test: three phases on one sidecar, each 10 s long: two writers of complete
+groups of 8k-token rollouts and no trainer; the same plus a writer that sends only the
+first rollout of every group (never completing one) and a slow trainer; 64k-token
+complete groups, the partial writer and the slow trainer. Then the trainer drains what the
+writers still hold. The default run's short tests share one run (about 20 s, most of it
+start-up): the first two phases, 3 s each, 8k tokens only, under a 64 MiB bound. Its
+memory check is an expected failure for now: the serve process grows while it refuses
+batches (the xfail's reason has the figures).
 
 Run: pytest -m slow tests/integration/test_overload.py -s (it prints the RSS figures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -21,7 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,22 +37,33 @@ from rlfeed.client.producer import RolloutWriter
 from rlfeed.client.transport import BufferFullError, GrpcTransport, SidecarError
 
 MIB = 2**20
-BOUND = 256 * MIB
-PHASE_S = 10.0
 GROUP_SIZE = 8
 RETAINED_STEPS, RETAINED_FREE_MIB = 2, 64
-STEP_64K = 64 * 65536 * 21  # the responses of a step of 64 64k-token rollouts, 21 B a token
-# What the sidecar holds beyond its idle processes and the bound, all in the serve process:
-# the `retained_steps` steps every rank fetched, the responses of the steps the last batch
-# taken completed (the bound's stated slack) and one response on its way to the trainer
-# (gRPC's copy): a 64k step each; glibc's retained free heap (`retained_free_mib`); the
-# batches in flight, on the wire and decoded (4 writers x max_in_flight 2 x 8 MiB, twice);
-# and 128 MiB for the allocator's fragmentation and transient copies.
-OVERHEAD = (RETAINED_STEPS + 2) * STEP_64K + (RETAINED_FREE_MIB + 4 * 2 * 8 * 2 + 128) * MIB
 
-CONFIG = f"""
+
+def step_bytes(tokens: int) -> int:
+    """The responses of a step of 64 `tokens`-token rollouts, 21 B a token."""
+    return 64 * tokens * 21
+
+
+def overhead(largest_step: int, writers: int) -> int:
+    """What the sidecar holds beyond its idle processes and the bound, all in the serve
+    process: the `retained_steps` steps every rank fetched, the responses of the steps the
+    last batch taken completed (the bound's stated slack) and one response on its way to
+    the trainer (gRPC's copy): a largest step each; glibc's retained free heap
+    (`retained_free_mib`); the batches in flight, on the wire and decoded (writers x
+    max_in_flight 2 x 8 MiB, twice); and 128 MiB for the allocator's fragmentation and
+    transient copies."""
+    return (RETAINED_STEPS + 2) * largest_step + (
+        RETAINED_FREE_MIB + writers * 2 * 8 * 2 + 128
+    ) * MIB
+
+
+def config_text(bound: int) -> str:
+    """The sidecar's config; a message fits the bound (batches are 8 MiB at most)."""
+    return f"""
 [server]
-max_message_bytes = {128 * MIB}
+max_message_bytes = {min(bound, 128 * MIB)}
 retained_free_mib = {RETAINED_FREE_MIB}
 [ray]
 actor_name = "overload-under-test"
@@ -55,7 +74,7 @@ retained_steps = {RETAINED_STEPS}
 [rollouts]
 prompts_per_step = 8
 group_size = {GROUP_SIZE}
-max_buffered_bytes = {BOUND}
+max_buffered_bytes = {bound}
 """
 
 
@@ -189,10 +208,25 @@ class SlowTrainer(threading.Thread):
                 self.stop.wait(self.pause_s)
 
 
-@pytest.fixture
-def overloaded_serve(tmp_path):
-    config = tmp_path / "overload.toml"
-    config.write_text(CONFIG)
+@dataclass(frozen=True)
+class Phase:
+    """Writers started when the phase begins: (name, rollout tokens, partial groups only)."""
+
+    writers: list[tuple[str, int, bool]]
+    trainer: bool = False  # the slow trainer starts with this phase
+    stop: tuple[str, ...] = ()  # writers that stop when this phase begins
+
+
+FULL_8K = [("full-8k-a", 8192, False), ("full-8k-b", 8192, False)]
+PARTIAL_8K = [("partial-8k", 8192, True)]
+
+
+@contextlib.contextmanager
+def overloaded_serve(directory: Path, bound: int) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real `rlfeed serve` with `[rollouts] max_buffered_bytes = bound`: (process,
+    address); stopped (SIGTERM, then kill) on the way out."""
+    config = directory / "overload.toml"
+    config.write_text(config_text(bound))
     command = [sys.executable, "-m", "rlfeed", "serve", "--config", str(config), "--port", "0"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
@@ -218,82 +252,178 @@ def overloaded_serve(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_memory_stays_under_the_byte_bound_when_producers_outrun_the_trainer(
-    overloaded_serve, caplog
+    tmp_path, caplog
 ) -> None:
-    server, address = overloaded_serve
+    phases = [
+        Phase(FULL_8K),
+        Phase(PARTIAL_8K, trainer=True),
+        # The 8k writers of complete groups stop; the others go on.
+        Phase([("full-64k", 65536, False)], stop=("full-8k-a", "full-8k-b")),
+    ]
+    bound = 256 * MIB
+    with (
+        overloaded_serve(tmp_path, bound) as (server, address),
+        caplog.at_level(logging.WARNING, logger="rlfeed.client.transport"),
+    ):
+        outcome = overload(server, address, phases, 10.0)
+    outcome.check_refusals_and_nothing_lost()
+    outcome.check_memory(bound, overhead(step_bytes(65536), writers=4))
+    assert any("is full" in record.getMessage() for record in caplog.records)
+
+
+SHORT_BOUND = 64 * MIB
+
+
+@pytest.fixture(scope="module")
+def short_overload(tmp_path_factory) -> Outcome:
+    """The slow test's first two phases, 3 s each, 8k tokens, a 64 MiB bound: one run
+    (about 20 s, most of it start-up) for the checks below."""
+    with overloaded_serve(tmp_path_factory.mktemp("overload"), SHORT_BOUND) as (server, address):
+        return overload(server, address, [Phase(FULL_8K), Phase(PARTIAL_8K, trainer=True)], 3.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_short_overload_refuses_only_resource_exhausted_and_loses_nothing(
+    short_overload,
+) -> None:
+    short_overload.check_refusals_and_nothing_lost(expiry_seen=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    reason="issue 27: the serve process grows ~30 MiB/s while it refuses every batch (held_bytes "
+    "flat at 53 MiB), to a plateau ~520 MiB over its idle figure after ~12 s (the same with "
+    "retained_free_mib 0): more than a 64 MiB bound plus the stated overhead (330 MiB)",
+    strict=False,
+)
+def test_a_short_overload_keeps_memory_within_the_bound_and_the_stated_overhead(
+    short_overload,
+) -> None:
+    short_overload.check_memory(SHORT_BOUND, overhead(step_bytes(8192), writers=3))
+
+
+class Sampler:
+    """The sidecar's memory: the sum of VmRSS over its process tree, sampled by phase."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.at_idle = {pid: memory_of(pid) for pid in process_tree(root)}
+        self.idle = sum(figures.get("VmRSS", 0) for figures in self.at_idle.values())
+        self.peak, self.at_peak = self.idle, []
+        self.samples: list[tuple[int, int]] = []  # (phase, RSS)
+
+    def sample(self, phase: int) -> None:
+        tree = process_tree(self.root)
+        rss = rss_bytes(tree)
+        if rss > self.peak:
+            self.peak, self.at_peak = rss, [{**memory_of(pid), "pid": pid} for pid in tree]
+        self.samples.append((phase, rss))
+
+    def report(self) -> str:
+        phases = sorted({phase for phase, _ in self.samples})
+        per_phase = [round(max(r for p, r in self.samples if p == n) / MIB) for n in phases]
+        lines = [
+            f"sidecar RSS idle {self.idle / MIB:.0f} MiB, peak {self.peak / MIB:.0f} MiB "
+            f"(per phase {per_phase} MiB)"
+        ]
+        for figures in sorted(self.at_peak, key=lambda f: -f.get("VmRSS", 0))[:8]:
+            if "VmRSS" in figures:
+                idle = self.at_idle.get(figures["pid"], {}).get("VmRSS", 0)
+                lines.append(
+                    f"  at peak: {figures['name']}: VmRSS {figures['VmRSS'] / MIB:.0f} MiB "
+                    f"(idle {idle / MIB:.0f} MiB; RssShmem {figures['RssShmem'] / MIB:.0f} MiB)"
+                )
+        return "\n".join(lines)
+
+
+@dataclass
+class Outcome:
+    """What an overload run saw: the sidecar's memory, the refusals the writers got, the
+    rollouts written, and the sidecar's final status."""
+
+    memory: Sampler
+    refusals: dict[str, int]
+    written: int
+    written_partial: int
+    trained_through: int  # the trainer's next step
+    final: Any  # StatusResponse after the drain
+
+    def check_refusals_and_nothing_lost(self, expiry_seen: bool = True) -> None:
+        """`expiry_seen`: the run was long enough for the bound to drop open groups (a
+        short one may end first)."""
+        counters = self.final.counters
+        assert set(self.refusals) == {"RESOURCE_EXHAUSTED"} and self.refusals["RESOURCE_EXHAUSTED"]
+        assert counters.rollouts_received == self.written  # every write acknowledged
+        assert counters.rollouts_accepted == (
+            counters.rollouts_trained + self.final.buffered_rollouts + counters.rollouts_expired
+        )
+        # Only groups that never complete are dropped (the bound's rule), none complete.
+        assert expiry_seen <= counters.rollouts_expired <= self.written_partial
+        assert list(self.final.steps_waiting) == []
+        assert self.trained_through == self.final.next_step
+
+    def check_memory(self, bound: int, stated_overhead: int) -> None:
+        print(
+            f"\n{self.memory.report()}\nbound {bound / MIB:.0f} MiB + overhead "
+            f"{stated_overhead / MIB:.0f} MiB"
+        )
+        assert self.memory.peak <= self.memory.idle + bound + stated_overhead
+
+
+def overload(
+    server: subprocess.Popen, address: str, phases: list[Phase], phase_s: float
+) -> Outcome:
+    """Run `phases`, `phase_s` each, sampling the sidecar's RSS every 0.25 s; let the
+    trainer drain what the writers hold; print the figures."""
     status = GrpcTransport(address)
     status.register_tasks([f"task-{k}" for k in range(4)])
     time.sleep(2.0)  # let start-up settle before the idle figure
-    idle = rss_bytes(process_tree(server.pid))
-    peak, samples, at_peak = idle, [], []
+    memory = Sampler(server.pid)
     refusals = Refusals(address)
     trainer = SlowTrainer(address, pause_s=0.5)
-    phases = [
-        [("full-8k-a", 8192, False), ("full-8k-b", 8192, False)],
-        [("partial-8k", 8192, True)],
-        [("full-64k", 65536, False)],
-    ]
     producers: list[Producer] = []
-    with caplog.at_level(logging.WARNING, logger="rlfeed.client.transport"):
-        for number, phase in enumerate(phases):
-            if number == 1:
-                trainer.start()
-            if number == 2:  # the 8k writers of complete groups stop; the others go on
-                for producer in producers[:2]:
-                    producer.stop.set()
-            for name, length, partial in phase:
-                producer = Producer(name, refusals, length, partial)
-                producer.start()
-                producers.append(producer)
-            ends = time.monotonic() + PHASE_S
-            while time.monotonic() < ends:
-                tree = process_tree(server.pid)
-                rss = rss_bytes(tree)
-                if rss > peak:
-                    peak, at_peak = rss, [memory_of(pid) for pid in tree]
-                samples.append((number, rss))
-                time.sleep(0.25)
+    for number, phase in enumerate(phases):
+        if phase.trainer:
+            trainer.start()
         for producer in producers:
-            producer.stop.set()
-        # Drain: the trainer fetches (faster now) while the writers flush what they hold.
-        trainer.pause_s = 0.0
-        for producer in producers:
-            producer.join(timeout=60)
-            producer.writer.close()
-            assert producer.error is None, f"{producer.name}: {producer.error!r}"
-        deadline = time.monotonic() + 60
-        while trainer.next_step < status.status().next_step:
-            assert time.monotonic() < deadline, "the trainer did not drain the steps"
-            time.sleep(0.1)
+            if producer.name in phase.stop:
+                producer.stop.set()
+        for name, length, partial in phase.writers:
+            producers.append(Producer(name, refusals, length, partial))
+            producers[-1].start()
+        ends = time.monotonic() + phase_s
+        while time.monotonic() < ends:
+            memory.sample(number)
+            time.sleep(0.25)
+    for producer in producers:
+        producer.stop.set()
+    # Drain: the trainer fetches (faster now) while the writers flush what they hold.
+    trainer.pause_s = 0.0
+    for producer in producers:
+        producer.join(timeout=60)
+        producer.writer.close()
+        assert producer.error is None, f"{producer.name}: {producer.error!r}"
+    deadline = time.monotonic() + 60
+    while trainer.next_step < status.status().next_step:
+        assert time.monotonic() < deadline, "the trainer did not drain the steps"
+        time.sleep(0.1)
     trainer.stop.set()
     trainer.join(timeout=10)
     final = status.status()
     counters = final.counters
-
-    per_phase = {n: max(rss for p, rss in samples if p == n) for n in range(len(phases))}
     print(
-        f"\nsidecar RSS idle {idle / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB "
-        f"(per phase {[round(v / MIB) for v in per_phase.values()]} MiB); bound "
-        f"{BOUND / MIB:.0f} MiB + overhead {OVERHEAD / MIB:.0f} MiB; accepted "
-        f"{counters.rollouts_accepted}, trained {counters.rollouts_trained}, buffered "
-        f"{final.buffered_rollouts}, expired {counters.rollouts_expired}, stale "
-        f"{counters.rollouts_stale}; refusals {refusals.codes}; steps {final.next_step}"
+        f"\n{memory.report()}\naccepted {counters.rollouts_accepted}, trained "
+        f"{counters.rollouts_trained}, buffered {final.buffered_rollouts}, expired "
+        f"{counters.rollouts_expired}, stale {counters.rollouts_stale}; refusals "
+        f"{refusals.codes}; steps {final.next_step}"
     )
-    for figures in sorted(at_peak, key=lambda f: -f.get("VmRSS", 0))[:6]:
-        if figures:
-            print(
-                f"  at peak: {figures['name']}: VmRSS {figures['VmRSS'] / MIB:.0f} MiB "
-                f"(RssShmem {figures['RssShmem'] / MIB:.0f} MiB)"
-            )
-    assert peak <= idle + BOUND + OVERHEAD
-    assert set(refusals.codes) == {"RESOURCE_EXHAUSTED"} and refusals.codes["RESOURCE_EXHAUSTED"]
-    written = sum(producer.written for producer in producers)
-    assert counters.rollouts_received == written  # every write acknowledged, none refused
-    assert counters.rollouts_accepted == (
-        counters.rollouts_trained + final.buffered_rollouts + counters.rollouts_expired
+    return Outcome(
+        memory=memory,
+        refusals=dict(refusals.codes),
+        written=sum(producer.written for producer in producers),
+        written_partial=sum(producer.written for producer in producers if producer.partial),
+        trained_through=trainer.next_step,
+        final=final,
     )
-    partial = sum(producer.written for producer in producers if producer.partial)
-    assert 0 < counters.rollouts_expired <= partial  # only groups that never complete
-    assert list(final.steps_waiting) == [] and trainer.next_step == final.next_step
-    assert any("is full" in record.getMessage() for record in caplog.records)
