@@ -14,7 +14,6 @@ the exact step mean whatever the split. The step-0 ratio outlier share checks pa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -137,40 +136,15 @@ def grpo_step(policy, optimizer, step, *, world_size: int, lr_clip: float = 1.0)
     policy: `DistributedDataParallel(PackedLogProbs(...))`, called as a whole."""
     import torch.distributed as dist
     from rlfeed.client.consistency import ratio_outlier_share
-    from rlfeed.client.loss import policy_loss, rank_norm_const
+    from rlfeed.service.learning.trainer import backward_pass
 
     started = time.perf_counter()
     optimizer.zero_grad()
-    norm_const = rank_norm_const(step.policy_token_count, world_size)
-    loss_sum = 0.0
-    trainer_lp, sampler_lp, masks = [], [], []
-    for index, mb in enumerate(step):
-        # Gradients accumulate locally; the last microbatch's backward all-reduces their sum.
-        last = index == len(step) - 1
-        with contextlib.nullcontext() if last else policy.no_sync():
-            logprobs = policy(
-                mb.input_ids, mb.position_ids, mb.target_ids, cu_seqlens=mb.cu_seqlens
-            )
-            loss, _ = policy_loss(
-                logprobs,
-                mb.sampler_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                mode="constant",
-                norm_const=norm_const,
-            )
-            loss.backward()
-        loss_sum += float(loss.detach())
-        trainer_lp.append(logprobs.detach())
-        sampler_lp.append(mb.sampler_logprobs)
-        masks.append(mb.loss_mask)
+    loss_sum, lp, slp, mask = backward_pass(policy, step, world_size=world_size)
     torch.nn.utils.clip_grad_norm_(policy.parameters(), lr_clip)
     optimizer.step()
     seconds = time.perf_counter() - started
 
-    lp = torch.cat(trainer_lp) if trainer_lp else torch.zeros(0)
-    slp = torch.cat(sampler_lp) if sampler_lp else torch.zeros(0)
-    mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.uint8)
     outliers = ratio_outlier_share(lp, slp, mask) if int(mask.sum()) else 0.0
     local_max = max((mb.max_seqlen for mb in step), default=0)
     # Step-wide figures: loss (each rank's sum / (N / W), so the mean over ranks is the

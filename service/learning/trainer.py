@@ -32,18 +32,18 @@ import torch
 from rlfeed.service.learning.run_spec import STEPS_FILE, WEIGHTS_DIR, RunSpec
 
 
-def rl_step(policy, optimizer, step, *, world_size: int, version: int) -> dict:
-    """One optimizer update over this rank's microbatches of `step`; this rank's figures.
+def backward_pass(policy, step, *, world_size: int):
+    """The README's loss over this rank's microbatches of `step`, gradients accumulated (DDP
+    all-reduces at the last microbatch's backward); no optimizer step.
 
-    policy: `DistributedDataParallel(PackedLogProbs(...))`, called as a whole."""
-    from rlfeed.client.consistency import ratio_outlier_share
+    policy: `DistributedDataParallel(PackedLogProbs(...))`, called as a whole.
+    Returns (this rank's loss sum, trainer log-probs [T], sampler log-probs [T], policy-token
+    mask [T] bool), T = this rank's positions."""
     from rlfeed.client.loss import policy_loss, rank_norm_const
 
-    optimizer.zero_grad()
     norm_const = rank_norm_const(step.policy_token_count, world_size)
     loss_sum, trainer_lp, sampler_lp, masks = 0.0, [], [], []
     for index, mb in enumerate(step):
-        # Gradients accumulate locally; the last microbatch's backward all-reduces them.
         last = index == len(step) - 1
         with contextlib.nullcontext() if last else policy.no_sync():
             logprobs = policy(
@@ -62,9 +62,19 @@ def rl_step(policy, optimizer, step, *, world_size: int, version: int) -> dict:
         trainer_lp.append(logprobs.detach())
         sampler_lp.append(mb.sampler_logprobs)
         masks.append(mb.loss_mask != 0)
-    optimizer.step()
     lp, slp, mask = (torch.cat(x) if x else torch.zeros(0) for x in (trainer_lp, sampler_lp, masks))
-    mask = mask.bool()
+    return loss_sum, lp, slp, mask.bool()
+
+
+def rl_step(policy, optimizer, step, *, world_size: int, version: int) -> dict:
+    """One optimizer update over this rank's microbatches of `step`; this rank's figures.
+
+    policy: `DistributedDataParallel(PackedLogProbs(...))`, called as a whole."""
+    from rlfeed.client.consistency import ratio_outlier_share
+
+    optimizer.zero_grad()
+    loss_sum, lp, slp, mask = backward_pass(policy, step, world_size=world_size)
+    optimizer.step()
     on_policy = step.min_policy_version == step.policy_version == version
     difference = (lp - slp)[mask].abs()
     return {
