@@ -374,7 +374,7 @@ class SchedulerActor:
             return Fetch(FetchKind.INVALID, str(exc))
         self._commit()
         if result.ready:
-            return Fetch(FetchKind.READY, result.payload)
+            return Fetch(FetchKind.READY, result.response)
         kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
         return Fetch(kind, self._scheduler.next_step)
 
