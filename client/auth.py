@@ -32,7 +32,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11; annotations only
 
 from rlfeed.client.addressing import SidecarTarget, host_is_loopback, parse_address, tls_name
 
@@ -120,6 +123,49 @@ class ChannelSecurity:
             tls=bool(ca or cert),
             server_name=_setting(tls_server_name, ENV_TLS_SERVER_NAME, environ),
         )
+
+
+class Credentials(TypedDict, total=False):
+    """The credential keyword arguments that `RolloutWriter`, `BatchLoader` and
+    `GrpcTransport` take (`**credentials`), each as `ChannelSecurity.resolve` reads it:
+    None (or absent) = from the environment, "" = none."""
+
+    token: str | None
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    tls_server_name: str | None
+
+
+CREDENTIAL_NAMES = ("token", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+
+
+def given_credentials(security: ChannelSecurity | None, credentials: Mapping[str, Any]) -> str:
+    """The settings a caller gave, sorted and comma-joined ("" for none): `security` when
+    it is set, and each credential keyword that is not None. TypeError for a keyword that
+    is not a credential (as Python's own for an unknown argument) or a `security` that is
+    not a `ChannelSecurity`."""
+    unknown = sorted(set(credentials) - set(CREDENTIAL_NAMES))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    if security is not None and not isinstance(security, ChannelSecurity):
+        raise TypeError(f"security must be a ChannelSecurity, got {type(security).__name__}")
+    named = sorted(name for name, value in credentials.items() if value is not None)
+    return ", ".join(([] if security is None else ["security"]) + named)
+
+
+def channel_security(
+    security: ChannelSecurity | None = None, **credentials: Unpack[Credentials]
+) -> ChannelSecurity:
+    """The one place a client's credential arguments become a `ChannelSecurity`: `security`
+    as given, else `ChannelSecurity.resolve(**credentials)` (arguments, then the
+    environment). ValueError when both are given: which one would win?"""
+    named = given_credentials(security, credentials)
+    if security is None:
+        return ChannelSecurity.resolve(**credentials)
+    if named != "security":
+        raise ValueError(f"{named}: give security= or the credential keywords, not both")
+    return security
 
 
 def _is_loopback(target: SidecarTarget) -> bool:

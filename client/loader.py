@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
@@ -72,6 +72,10 @@ from rlfeed.client.transport import (
     fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
+
+if TYPE_CHECKING:
+    from rlfeed.client.auth import ChannelSecurity, Credentials
+    from typing_extensions import Unpack
 
 DEFAULT_RETAINED_FREE_MIB = 0
 """Opt-in (see the module docstring); 256 MiB holds a few steps' responses and gRPC's
@@ -152,6 +156,7 @@ class BatchLoader:
     token, tls_ca, tls_cert, tls_key, tls_server_name: a secured sidecar's credentials
       (see `GrpcTransport`; default: `RLFEED_TOKEN`, `RLFEED_TLS_CA`, ... from the
       environment). A refused credential raises `AuthenticationError`.
+    security: the same already resolved (`client.auth.ChannelSecurity`), instead.
     """
 
     def __init__(
@@ -169,11 +174,8 @@ class BatchLoader:
         connect_timeout_s: float | None = None,
         reconnect_timeout_s: float | None = None,
         retained_free_mib: int = DEFAULT_RETAINED_FREE_MIB,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
+        **credentials: Unpack[Credentials],
     ) -> None:
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -192,12 +194,7 @@ class BatchLoader:
             )
         self._retained_free_bytes = retained_free_mib << 20
         self._transport, self._owns_transport = connect(
-            address_or_transport,
-            token=token,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
+            address_or_transport, security, **credentials
         )
         # The in-place view where the transport offers one: tensors then alias the received
         # bytes instead of copies the generated message would make.

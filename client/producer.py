@@ -49,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from rlfeed.client.arrow_codec import (
@@ -70,6 +70,10 @@ from rlfeed.client.transport import (
     fast_variant,
 )
 from rlfeed.proto import rlfeed_pb2 as pb
+
+if TYPE_CHECKING:
+    from rlfeed.client.auth import ChannelSecurity, Credentials
+    from typing_extensions import Unpack
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +126,7 @@ class RolloutWriter:
     token, tls_ca, tls_cert, tls_key, tls_server_name: a secured sidecar's credentials
       (see `GrpcTransport`; default: `RLFEED_TOKEN`, `RLFEED_TLS_CA`, ... from the
       environment). A refused credential raises `AuthenticationError`, not retried.
+    security: the same already resolved (`client.auth.ChannelSecurity`), instead.
     """
 
     def __init__(
@@ -138,11 +143,8 @@ class RolloutWriter:
         connect_timeout_s: float | None = None,
         reconnect_timeout_s: float | None = None,
         max_in_flight: int = 1,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
+        **credentials: Unpack[Credentials],
     ) -> None:
         if max_batch_rollouts < 1:
             raise ValueError(f"max_batch_rollouts must be >= 1, got {max_batch_rollouts}")
@@ -161,12 +163,7 @@ class RolloutWriter:
         if on_full not in ("block", "raise"):
             raise ValueError(f"on_full must be 'block' or 'raise', got {on_full!r}")
         self._transport, self._owns_transport = connect(
-            address_or_transport,
-            token=token,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
+            address_or_transport, security, **credentials
         )
         # Request bytes written in one copy where the transport takes them (one copy of the
         # token data, not three), as the loader resolves its fast path once.

@@ -37,13 +37,17 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rlfeed.client.arrow_codec import ServedResponse, parse_get_batch_response
+from rlfeed.client.auth import ChannelSecurity, Credentials, given_credentials
 from rlfeed.client.handshake import Handshake, diagnose
 from rlfeed.client.handshake import message as handshake_message
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto.metadata import RETRY_AFTER_MS
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 RECONNECT_CHANNEL_OPTIONS = (
     # A lost connection is tried again after 0.2 s, then at most every 1 s (gRPC defaults:
@@ -215,9 +219,10 @@ class GrpcTransport:
     MiB); the server's own limit is its `[server] max_message_bytes`.
 
     token, tls_ca, tls_cert, tls_key, tls_server_name: the credentials of a secured sidecar
-    (`client/auth.py`): each defaults to its environment variable (`RLFEED_TOKEN` or
-    `RLFEED_TOKEN_FILE`, `RLFEED_TLS_CA`, ...), "" means none. TLS is on when a CA or a
-    client certificate is given; the token is sent on every call.
+    (`client/auth.py` `Credentials`): each defaults to its environment variable
+    (`RLFEED_TOKEN` or `RLFEED_TOKEN_FILE`, `RLFEED_TLS_CA`, ...), "" means none. TLS is on
+    when a CA or a client certificate is given; the token is sent on every call.
+    security: the same already resolved (`ChannelSecurity`), instead of those keywords.
     """
 
     def __init__(
@@ -225,23 +230,14 @@ class GrpcTransport:
         address: str,
         *,
         call_timeout_s: float = 60.0,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
+        **credentials: Unpack[Credentials],
     ) -> None:
         import grpc
-        from rlfeed.client.auth import ChannelSecurity, open_channel
+        from rlfeed.client.auth import channel_security, open_channel
         from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 
-        security = ChannelSecurity.resolve(
-            token=token,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
-        )
+        security = channel_security(security, **credentials)
         self.address = address
         self.tls = security.tls
         self._handshake = Handshake.of(security)
@@ -374,16 +370,18 @@ def fast_variant(transport: Transport, plain: str, fast: str):
 
 
 def connect(
-    address_or_transport: str | Transport, **credentials: str | None
+    address_or_transport: str | Transport,
+    security: ChannelSecurity | None = None,
+    **credentials: Unpack[Credentials],
 ) -> tuple[Transport, bool]:
     """(transport, owned): a `GrpcTransport` for an address string (owned: close it after
-    use) with `credentials` (GrpcTransport's token and tls_* arguments; None = from the
-    environment), or the given transport as is (not owned; it was given its credentials
-    when made, so passing any here is a ValueError)."""
+    use) with `security` or `credentials` (GrpcTransport's token and tls_* arguments; None =
+    from the environment), or the given transport as is (not owned; it was given its
+    credentials when made, so passing any here is a ValueError)."""
     if isinstance(address_or_transport, str):
-        return GrpcTransport(address_or_transport, **credentials), True
-    if any(value is not None for value in credentials.values()):
-        named = ", ".join(sorted(k for k, v in credentials.items() if v is not None))
+        return GrpcTransport(address_or_transport, security=security, **credentials), True
+    named = given_credentials(security, credentials)
+    if named:
         raise ValueError(f"{named}: credentials go with an address, not with a Transport")
     if not isinstance(address_or_transport, Transport):
         raise TypeError(

@@ -101,7 +101,7 @@ class InProcessTransport:
                 except ValueError as exc:
                     raise InvalidRequestError(str(exc)) from None
                 if result.ready:
-                    return result.payload
+                    return result.response
                 if result.released:
                     raise StepReleasedError(f"step {step} is no longer retained")
                 remaining = deadline - time.monotonic()

@@ -192,16 +192,16 @@ def parse_rollout_batch(data: bytes) -> RolloutBatchView:
     return RolloutBatchView(payloads[-1] if payloads else memoryview(b""), sequence)
 
 
-def decode_rollout_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
-    """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed payload
-    (anything pyarrow raises on it included), a payload that is not exactly one
+def decode_rollout_batch(arrow_ipc: bytes | memoryview) -> RolloutBatchArrays:
+    """Arrow IPC stream bytes -> RolloutBatchArrays; ValueError on a malformed stream
+    (anything pyarrow raises on it included), a stream that is not exactly one
     uncompressed stream (`ipc_messages`), a missing column, a wrong type or a null."""
-    check_one_plain_stream(payload)  # before pyarrow reads (or inflates) anything
+    check_one_plain_stream(arrow_ipc)  # before pyarrow reads (or inflates) anything
     try:
-        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        reader = pa.ipc.open_stream(pa.py_buffer(arrow_ipc))
         table = reader.read_all()
         # Full validation (offsets monotonic and in range, UTF-8) before any buffer is read:
-        # a crafted payload must be an INVALID_ARGUMENT, never an out-of-bounds read.
+        # a crafted stream must be an INVALID_ARGUMENT, never an out-of-bounds read.
         table.validate(full=True)
     except (pa.ArrowException, OSError) as exc:
         # ArrowException: every pyarrow error, e.g. ArrowNotImplementedError for an

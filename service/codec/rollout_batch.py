@@ -13,11 +13,11 @@ from rlfeed.service.errors import InvalidBatchError, RejectReason
 from rlfeed.service.scheduler.records import BatchMeta, IngestResult
 
 
-def decode_batch(payload: bytes | memoryview) -> RolloutBatchArrays:
+def decode_batch(arrow_ipc: bytes | memoryview) -> RolloutBatchArrays:
     """The batch's arrays; InvalidBatchError (MALFORMED) if they cannot be read."""
     try:
-        return decode_rollout_batch(payload)
-    except ValueError as exc:  # the codec's errors: the payload itself is malformed
+        return decode_rollout_batch(arrow_ipc)
+    except ValueError as exc:  # the codec's errors: the stream itself is malformed
         raise InvalidBatchError(str(exc), reason=RejectReason.MALFORMED) from None
 
 

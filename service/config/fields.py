@@ -8,10 +8,13 @@ from dataclasses import field
 from typing import Any
 
 
-def documented(default: Any, doc: str) -> Any:
+def documented(default: Any, doc: str, *, checked_by: str = "") -> Any:
     """A field with a default and its documentation (meaning, unit), which the example
-    config prints."""
-    return field(default=default, metadata={"doc": doc})
+    config prints. `checked_by`: the class whose check of an enum-like (Literal) value
+    gives the message users see; the TOML loader then only requires a string and leaves
+    the value to the section's `__post_init__`."""
+    metadata = {"doc": doc, "checked_by": checked_by} if checked_by else {"doc": doc}
+    return field(default=default, metadata=metadata)
 
 
 def require(condition: bool, section: str, name: str, message: str) -> None:

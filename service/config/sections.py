@@ -15,10 +15,13 @@ from rlfeed.service.config.fields import documented, require
 FROM_MODEL = -1.0  # [batching] attention_weight: derive it from [accounting] model
 
 # The enum-like fields' values: sched/'s own Literals (budgets.CostModel, packing.PackingMethod,
-# advantages.AdvantageMode), spelled again here because those modules import numpy.
+# advantages.AdvantageMode, curriculum.Estimator and Sampling), spelled again here because
+# those modules import numpy.
 CostModel = Literal["packed", "padded"]
 PackingMethod = Literal["ffd", "bfd"]
 AdvantageMode = Literal["mean", "mean_std", "constant"]
+Estimator = Literal["last", "ema", "beta"]
+Sampling = Literal["filter", "soft"]
 
 _require = require
 
@@ -219,10 +222,12 @@ class AdvantagesConfig:
 class CurriculumSection:
     """Which tasks to sample (maps onto sched.curriculum.CurriculumConfig)."""
 
-    # estimator and sampling stay str: sched.curriculum.CurriculumConfig checks them, and its
-    # message ("estimator must be one of ...") is the one users see.
-    estimator: str = documented(
-        "ema", "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior"
+    # sched.curriculum.CurriculumConfig checks estimator and sampling: its message
+    # ("estimator must be one of ...") is the one users see.
+    estimator: Estimator = documented(
+        "ema",
+        "pass-rate estimate: 'last' group mean, 'ema' or 'beta' posterior",
+        checked_by="sched.curriculum.CurriculumConfig",
     )
     low: float = documented(0.0, "sample a task while low < estimate (0 drops all-fail tasks)")
     high: float = documented(1.0, "sample a task while estimate < high (1 drops all-pass tasks)")
@@ -233,8 +238,10 @@ class CurriculumSection:
     revisits: int = documented(
         1, "tasks from outside the filter added to each sample ('filter'), count"
     )
-    sampling: str = documented(
-        "filter", "'filter' (hard pass-rate filter) or 'soft' (p(1-p) + floor)"
+    sampling: Sampling = documented(
+        "filter",
+        "'filter' (hard pass-rate filter) or 'soft' (p(1-p) + floor)",
+        checked_by="sched.curriculum.CurriculumConfig",
     )
     soft_floor: float = documented(
         0.01, "added to p(1-p) in 'soft' sampling so no task is impossible"

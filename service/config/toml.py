@@ -56,6 +56,8 @@ def _build(cls: type, values: dict[str, Any], section: str) -> Any:
                 raise ValueError(f"[{key}] must be a table, got {value!r}")
             kwargs[key] = _build(_SECTIONS[key], value, key)
         else:
+            if get_origin(expected) is Literal and known[key].metadata.get("checked_by"):
+                expected = str  # its owner's check names the allowed values (`documented`)
             kwargs[key] = _check_type(section, key, expected, value)
     return cls(**kwargs)
 

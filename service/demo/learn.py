@@ -89,7 +89,7 @@ class _Progress:
     """Prints each step once rank 0 recorded it, and the evaluation before the first."""
 
     def __init__(self, run_dir: Path, spec) -> None:
-        from rlfeed.service.learning.records import RunRecords
+        from rlfeed.service.learning.run_records import RunRecords
 
         self.spec = spec
         self.records = RunRecords.load(run_dir, spec.producers)
@@ -125,7 +125,7 @@ def _rates(rates: dict) -> str:
 
 def _finish(spec, run_dir, sidecar, config, status, started, summary_json) -> int:
     from rlfeed.service.demo.summary import print_summary, summary_lines, write_summary_json
-    from rlfeed.service.learning.records import RunRecords, mean_of
+    from rlfeed.service.learning.run_records import RunRecords, mean_of
 
     records = RunRecords.load(run_dir, spec.producers)
     sidecar_records = {}

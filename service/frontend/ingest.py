@@ -102,16 +102,16 @@ class RolloutIngest:
             context.set_trailing_metadata(((RETRY_AFTER_MS, retry_after_ms),))
         context.abort(code, str(error))
 
-    def _ingest(self, arrays: RolloutBatchArrays, payload: bytes | memoryview) -> IngestReply:
+    def _ingest(self, arrays: RolloutBatchArrays, arrow_ipc: bytes | memoryview) -> IngestReply:
         """Buffer a validated batch in the actor, in a call shared with the batches arriving
         alongside; hand the steps it made ready to the assembler and free what the actor
-        released. With a journal the payload is journaled first, as received, and its
+        released. With a journal the Arrow bytes are journaled first, as received, and its
         position is the batch's key: the actor records the batch by it."""
         payloads, retention = self.frontend.payloads, self.frontend.retention
         with retention.appending() if retention is not None else contextlib.nullcontext():
             key = None
             if len(arrays) and retention is not None:
-                key = retention.journal.append(KIND_BATCH, payload)
+                key = retention.journal.append(KIND_BATCH, arrow_ipc)
                 payloads.put(key, arrays.columns)
             elif len(arrays):
                 key = payloads.add(arrays.columns)

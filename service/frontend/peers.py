@@ -59,9 +59,9 @@ def encode_columns(columns: TokenColumns) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def decode_columns(payload: bytes) -> TokenColumns:
-    """The columns `encode_columns` wrote, as arrays viewing `payload` (no copy)."""
-    batch = pa.ipc.open_stream(pa.py_buffer(payload)).read_next_batch()
+def decode_columns(data: bytes) -> TokenColumns:
+    """The columns `encode_columns` wrote, as arrays viewing `data` (no copy)."""
+    batch = pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
     if batch.schema != _COLUMNS_SCHEMA:
         raise ValueError(f"peer payload has schema {batch.schema}, expected {_COLUMNS_SCHEMA}")
     tokens, mask, logprobs = (batch.column(i) for i in range(3))

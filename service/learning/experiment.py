@@ -128,7 +128,7 @@ def run_one(
     from rlfeed.service.learning.launch import prepare, run_workers
     from rlfeed.service.learning.policy import PolicyConfig
     from rlfeed.service.learning.processes import Running
-    from rlfeed.service.learning.records import RunRecords
+    from rlfeed.service.learning.run_records import RunRecords
     from rlfeed.service.learning.run_spec import RunSpec
 
     started = time.monotonic()

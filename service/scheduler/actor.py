@@ -50,7 +50,7 @@ _SERVING_WITHIN_S = 3.0
 
 
 @dataclass
-class _FrontEnd:
+class _Frontend:
     """A registered front-end: where its peers reach it, and what it may free, kept until
     its next call that answers with `Releases`."""
 
@@ -75,7 +75,7 @@ class SchedulerActor:
         # Which start of this actor this is: a front-end that sees it change re-registers.
         self._incarnation = secrets.token_hex(8)
         self._journaled = bool(config.journal.dir)
-        self._frontends: dict[str, _FrontEnd] = {}  # the registered ones, by id
+        self._frontends: dict[str, _Frontend] = {}  # the registered ones, by id
         # Each front-end's journal slot, kept after it leaves: its journal outlives it.
         self._slots: dict[str, str] = {}
         # Never materializes (front-ends do); reports what it stops needing. With a journal
@@ -87,7 +87,7 @@ class SchedulerActor:
         self._materializing: dict[int, tuple[str, StepWork]] = {}
         self._orphaned_work: dict[str, list[StepWork]] = {}  # slot -> work of its dead one
         self._orphaned: set[str] = set()  # front-ends declared dead: their calls are refused
-        self._restarting: dict[str, tuple[str, _FrontEnd]] = {}  # slot -> the dead one
+        self._restarting: dict[str, tuple[str, _Frontend]] = {}  # slot -> the dead one
         if config.journal.dir:
             self._scheduler = JournaledScheduler(
                 config, Path(config.journal.dir), self._ref_of, on_write_failure=_fail_stop
@@ -140,7 +140,7 @@ class SchedulerActor:
         holds at `peer_address`; releases are kept for it from now on. `slot`: the folder
         of its journal (its batch keys are positions there), if journaling. `address` and
         `node_id`: where clients reach it and its Ray node, for `rlfeed status`."""
-        known = self._frontends.setdefault(frontend_id, _FrontEnd(peer_address))
+        known = self._frontends.setdefault(frontend_id, _Frontend(peer_address))
         known.address, known.node_id = address, node_id
         known.last_seen = time.monotonic()
         if slot:
@@ -380,7 +380,7 @@ class SchedulerActor:
             return Fetch(FetchKind.INVALID, str(exc))
         self._commit()
         if result.ready:
-            return Fetch(FetchKind.READY, result.payload)
+            return Fetch(FetchKind.READY, result.response)
         kind = FetchKind.RELEASED if result.released else FetchKind.WAITING
         return Fetch(kind, self._scheduler.next_step)
 

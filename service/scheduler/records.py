@@ -162,7 +162,7 @@ class IngestReply:
 class FetchResult:
     ready: bool  # the step is assembled and still held
     released: bool = False  # the step was assembled but is no longer held
-    payload: Any = None  # what store_step kept for the rank: response bytes or a handle
+    response: Any = None  # what store_step kept for the rank: response bytes or a handle
 
 
 class FetchKind(str, Enum):

@@ -134,7 +134,7 @@ class StepBook:
         if rank not in held.fetched:
             self._served(held, rank)
             self._settle(step)
-        return FetchResult(ready=True, payload=held.responses[rank])
+        return FetchResult(ready=True, response=held.responses[rank])
 
     def first_fetch(self, step: int, rank: int) -> bool:
         """Whether `fetch(step, rank)` would change the state (a query)."""

@@ -11,7 +11,8 @@ from concurrent import futures
 
 import grpc
 import pytest
-from rlfeed.client.auth import ChannelSecurity, open_channel
+from rlfeed.client import BatchLoader, GrpcTransport, RolloutWriter
+from rlfeed.client.auth import ChannelSecurity, channel_security, open_channel
 from rlfeed.client.transport import AuthenticationError, SidecarError, _sidecar_error, connect
 from rlfeed.service.inprocess import InProcessTransport
 
@@ -132,6 +133,27 @@ def test_credentials_go_with_an_address_not_a_transport():
     assert connect(transport) == (transport, False)
     with pytest.raises(ValueError, match="token: credentials go with an address"):
         connect(transport, token=TOKEN)
+
+
+def test_security_and_the_credential_keywords_are_one_or_the_other():
+    security = ChannelSecurity.resolve(token=TOKEN, environ={})
+    assert channel_security(security) is security
+    assert channel_security(token=TOKEN).token == TOKEN
+    with pytest.raises(ValueError, match="security, token: give security= or the credential"):
+        channel_security(security, token=TOKEN)
+    with pytest.raises(ValueError, match="security, tls_ca: give security="):
+        GrpcTransport("127.0.0.1:1", security=security, tls_ca="ca.pem")
+    with pytest.raises(TypeError, match="security must be a ChannelSecurity, got dict"):
+        channel_security({"token": TOKEN})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tls_crt'"):
+        GrpcTransport("127.0.0.1:1", tls_crt="c.pem")
+    transport = InProcessTransport()
+    with pytest.raises(ValueError, match="security: credentials go with an address"):
+        connect(transport, security)
+    with pytest.raises(ValueError, match="security: credentials go with an address"):
+        RolloutWriter(transport, security=security)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tokn'"):
+        BatchLoader(transport, 0, 1, tokn=TOKEN)
 
 
 def test_a_grpc_client_loads_nothing_of_the_service():

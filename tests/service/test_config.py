@@ -95,6 +95,25 @@ def test_step_groups_is_typed_as_the_round_queue_modes() -> None:
         RolloutsConfig(step_groups="dynamic")  # type: ignore[arg-type]
 
 
+def test_enum_like_fields_are_typed_as_sched_spells_them() -> None:
+    """The config spells sched/'s Literals again (those modules import numpy): the same
+    values. The curriculum's are checked by sched.curriculum, whose message users see."""
+    from rlfeed.sched import advantages, budgets, curriculum, packing
+    from rlfeed.service.config import sections
+
+    assert sections.CostModel == budgets.CostModel
+    assert sections.PackingMethod == packing.PackingMethod
+    assert sections.AdvantageMode == advantages.AdvantageMode
+    assert sections.Estimator == curriculum.Estimator
+    assert sections.Sampling == curriculum.Sampling
+    hints = get_type_hints(sections.CurriculumSection)
+    assert (hints["estimator"], hints["sampling"]) == (curriculum.Estimator, curriculum.Sampling)
+    with pytest.raises(ValueError, match=r"\[curriculum\] sampling must be one of"):
+        config_from_dict({"curriculum": {"sampling": "hard"}})
+    with pytest.raises(ValueError, match=r"\[curriculum\] sampling: expected str, got 1"):
+        config_from_dict({"curriculum": {"sampling": 1}})
+
+
 def test_bad_file_error_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[rollouts]\nmax_policy_lagg = 2\n")

@@ -576,10 +576,10 @@ def test_served_responses_become_the_layout_picture_once_every_rank_fetched():
     assert assemble_ready_steps(scheduler) == [0]
     metrics = SidecarMetrics(MetricsConfig.from_sidecar_config(config))
     metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
-    payload = scheduler.fetch_batch(0, 0).payload
+    payload = scheduler.fetch_batch(0, 0).response
     metrics.on_served(0, 0, response=payload, now=1.0)
     assert metrics.latest_layout_png() is None  # rank 1 has not fetched it yet
-    metrics.on_served(0, 1, response=scheduler.fetch_batch(0, 1).payload, now=2.0)
+    metrics.on_served(0, 1, response=scheduler.fetch_batch(0, 1).response, now=2.0)
     step, png = metrics.latest_layout_png()
     assert step == 0 and png.startswith(b"\x89PNG")
     assert value(metrics, "rlfeed_step_latency_seconds_sum") == 2.0

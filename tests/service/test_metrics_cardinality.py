@@ -48,7 +48,7 @@ def exported_series(num_tasks: int, steps: int = 3) -> tuple[int, set[str]]:
         for assembled in assemble_ready_steps(scheduler):
             metrics.on_step(scheduler.step_records[-1], ready_time=0.0)
             for rank in range(2):
-                payload = scheduler.fetch_batch(assembled, rank).payload
+                payload = scheduler.fetch_batch(assembled, rank).response
                 metrics.on_served(assembled, rank, response=payload, now=1.0)
                 metrics.on_trainer_report(
                     step=assembled, rank=rank, loss=0.1, ratio_outlier_share=0.0,

@@ -41,7 +41,7 @@ def ingest(scheduler: Scheduler, rollouts: SyntheticRollouts, rows=None):
 def fetch_step(scheduler: Scheduler, step: int) -> list[bytes]:
     results = [scheduler.fetch_batch(step, r) for r in range(scheduler.config.batching.world_size)]
     assert all(result.ready for result in results)
-    return [result.payload for result in results]
+    return [result.response for result in results]
 
 
 def test_step_serves_every_policy_token_of_its_groups_exactly_once() -> None:

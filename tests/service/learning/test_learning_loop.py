@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from rlfeed.service.demo.learn import LEARNING_OVERRIDES, PRODUCERS, train_policy
 from rlfeed.service.learning.processes import Running
-from rlfeed.service.learning.records import RunRecords
+from rlfeed.service.learning.run_records import RunRecords
 from rlfeed.service.learning.run_spec import RunSpec
 
 STEPS = 16

@@ -65,7 +65,7 @@ def store_ready_steps(scheduler: Scheduler) -> dict[int, list[bytes]]:
 
 def fetch_all(scheduler: Scheduler, step: int) -> list[bytes]:
     ranks = range(scheduler.config.batching.world_size)
-    return [scheduler.fetch_batch(step, rank).payload for rank in ranks]
+    return [scheduler.fetch_batch(step, rank).response for rank in ranks]
 
 
 def test_held_bytes_count_whole_batches_partial_groups_and_unfetched_steps() -> None:

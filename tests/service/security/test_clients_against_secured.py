@@ -8,7 +8,14 @@ from concurrent import futures
 
 import grpc
 import pytest
-from rlfeed.client import AuthenticationError, BatchLoader, GrpcTransport, SidecarError
+from rlfeed.client import (
+    AuthenticationError,
+    BatchLoader,
+    GrpcTransport,
+    RolloutWriter,
+    SidecarError,
+)
+from rlfeed.client.auth import ChannelSecurity
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.config.security import SecurityConfig
 from rlfeed.service.security.credentials import bind_port
@@ -81,6 +88,33 @@ def test_explicit_arguments_override_the_environment(secured, tokens, pki, mtls_
         transport.status()
     finally:
         transport.close()
+
+
+def test_one_resolved_security_serves_every_client(secured, tokens, pki, mtls_env):
+    """`security=` takes credentials resolved once (`ChannelSecurity`) in place of the
+    keywords, for the transport, the loader and the writer alike."""
+    mtls_env.setenv("RLFEED_TOKEN", tokens.unknown)  # not read: security is given
+    security = ChannelSecurity.resolve(token=tokens.admin, tls_ca=str(pki.ca), environ={})
+    before = secured.calls["GetStatus"]
+    transport = GrpcTransport(secured.tls, security=security)
+    try:
+        transport.status()
+    finally:
+        transport.close()
+    assert transport.tls and secured.calls["GetStatus"] == before + 1
+    before = secured.calls["GetBatch"]
+    loader = BatchLoader(secured.tls, 0, 1, timeout_s=0.2, poll_s=0.05, security=security)
+    try:
+        with pytest.raises(TimeoutError):  # the fake never has a step ready
+            loader.fetch(0)
+    finally:
+        loader.close()
+    assert secured.calls["GetBatch"] > before
+    writer = RolloutWriter(secured.tls, security=security)
+    try:
+        assert writer._transport.tls
+    finally:
+        writer.close()
 
 
 def test_front_ends_on_several_hosts_are_checked_against_the_one_server_name(

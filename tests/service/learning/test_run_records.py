@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from rlfeed.service.learning.records import JsonLinesTail, RunRecords
+from rlfeed.service.learning.run_records import JsonLinesTail, RunRecords
 from rlfeed.service.learning.run_spec import STEPS_FILE, producer_log
 
 
