@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import free_port
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 
@@ -157,7 +158,7 @@ def test_front_ends_on_two_nodes_survive_the_loss_of_one(tmp_path: Path) -> None
         nodes = json.loads(cluster_lines.next(180, "starting the Ray cluster"))
         config = tmp_path / "rlfeed.toml"
         config.write_text(exactly_once.CONFIG + '[frontends]\nports = "consecutive"\n')
-        port = exactly_once.free_port()
+        port = free_port()
         serve = subprocess.Popen(
             [
                 sys.executable, "-m", "rlfeed", "serve", "--config", str(config),
@@ -219,7 +220,7 @@ def _serve_embedded(tmp_path: Path, *flags: str, config: str = "") -> subprocess
     return subprocess.Popen(
         [
             sys.executable, "-m", "rlfeed", "serve", "--config", str(path),
-            "--port", str(exactly_once.free_port()), *flags,
+            "--port", str(free_port()), *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=(tmp_path / "serve.err").open("w"),
@@ -234,9 +235,23 @@ def _wait_for_log(log: Path, text: str, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def _frontend_pids() -> list[int]:
-    found = subprocess.run(["pgrep", "-f", "ray::FrontendActor"], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split()]
+def _frontend_pids(root: int) -> list[int]:
+    """The FrontendActor processes under `root` (its embedded Ray's workers are its
+    descendants): another run on this host may have front-ends of its own."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
+    children: dict[int, list[int]] = {}
+    command: dict[int, str] = {}
+    for line in table.stdout.splitlines():
+        pid, ppid, *args = line.split(None, 2)
+        children.setdefault(int(ppid), []).append(int(pid))
+        command[int(pid)] = args[0] if args else ""
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            stack.append(child)
+            if command[child].startswith("ray::FrontendActor"):
+                found.append(child)
+    return found
 
 
 @pytest.mark.timeout(300)
@@ -292,7 +307,7 @@ def test_a_crashed_front_end_is_restarted_with_a_journal_and_stops_the_sidecar_w
             while "listening on" not in (line := lines.next(180, "rlfeed serve")):
                 pass
             address = line.split()[4]
-            (pid,) = _frontend_pids()
+            (pid,) = _frontend_pids(serve.pid)
             os.kill(pid, 9)
             if journal:
                 _wait_for_log(tmp_path / "serve.err", "front-end 0 restarted by Ray")

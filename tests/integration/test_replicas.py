@@ -277,8 +277,10 @@ def test_rlfeed_serve_with_two_replicas_runs_the_demo_and_stops_both(tmp_path) -
             if "listening on" in line:
                 break
         assert "2 front-ends" in lines[-1], "".join(lines[-20:])
-        joined = subprocess.run(
-            ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+        joined = subprocess.run(  # this sidecar's children only: other runs may share the host
+            ["pgrep", "-P", str(serve.pid), "-f", "rlfeed serve --join"],
+            capture_output=True,
+            text=True,
         ).stdout.split()
         assert len(joined) == 1, joined  # the one other front-end
         address = f"127.0.0.1:{port}"
@@ -315,8 +317,10 @@ def _serve_with_a_replica(port: int) -> tuple[subprocess.Popen, str]:
     for line in serve.stdout:
         if "listening on" in line:
             break
-    (replica,) = subprocess.run(
-        ["pgrep", "-f", "rlfeed serve --join"], capture_output=True, text=True
+    (replica,) = subprocess.run(  # this sidecar's children only
+        ["pgrep", "-P", str(serve.pid), "-f", "rlfeed serve --join"],
+        capture_output=True,
+        text=True,
     ).stdout.split()
     return serve, replica
 
