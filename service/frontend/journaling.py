@@ -11,7 +11,6 @@ that serves a slot after a restart finds its predecessor's records there.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import Counter
@@ -24,7 +23,7 @@ from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
-from rlfeed.service.journal import Journal, JournalCorruptError, JournalError
+from rlfeed.service.journal import Journal, JournalCorruptError
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import SlotClaim
 
@@ -126,16 +125,14 @@ INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["RolloutIngest"].full_name
 class JournalHealth:
     """While the front-end's journal cannot write (disk full, I/O error), ingest's health
     is NOT_SERVING (batches are refused RESOURCE_EXHAUSTED; serving goes on) and a
-    warning says why, once; every check tries to heal the journal, so it comes back on
-    its own, with a line saying so, once the disk takes writes again."""
+    warning says why, once. The journal heals on the next append that the disk takes (a
+    producer's retry), and then a line says so: only a real write shows the disk takes
+    writes again (a sync with nothing to write would "heal" a disk that is still full)."""
 
     def __init__(self, journal: Journal, health_servicer: health.HealthServicer) -> None:
         self.journal, self.health, self.down = journal, health_servicer, False
 
     def __call__(self) -> None:
-        if self.journal.fault is not None:
-            with contextlib.suppress(JournalError):
-                self.journal.sync()  # heals it if the disk takes writes
         fault = self.journal.fault
         answer = health_pb2.HealthCheckResponse
         if fault is not None and not self.down:
