@@ -151,7 +151,7 @@ EXAMPLE_HEADER = """\
 # rlfeed sidecar configuration: every field with its meaning, unit and default.
 # Use: rlfeed serve --config rlfeed.example.toml   (flags --host/--port override [server])
 # Unknown keys are an error. Generated from rlfeed.service.config (example_config_text);
-# tests/service/test_config.py keeps this file in sync with the dataclasses.
+# tests/service/config/test_config.py keeps this file in sync with the dataclasses.
 """
 
 

@@ -3,7 +3,7 @@ rlfeed.v1 method, and byte-mutated Arrow payloads as batches. Only OK, INVALID_A
 or RESOURCE_EXHAUSTED come back (NOT_FOUND too for GetBatch: a released step), never
 INTERNAL or UNKNOWN; the sidecar keeps answering health; a batch is accepted only if the
 same bytes pass the in-process decode and validation (whose own fuzzing checks what they
-let through: tests/service/test_fuzz_ingest.py).
+let through: tests/service/codec/test_fuzz_ingest.py).
 
 Default run: 40 inputs per method and 200 payloads (~10 s); `-m slow`: 10 times more.
 """

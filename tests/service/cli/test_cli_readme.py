@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlfeed.service.cli import COMMANDS, build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 FLAG = re.compile(r"(?<![\w-])--\[?(?:no-\]?)?[a-z][a-z0-9-]*|(?<![\w-])-o\b")
 
 

@@ -320,7 +320,7 @@ def test_a_record_that_cannot_be_written_stops_the_scheduler_for_a_restart_from_
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "faulty_disk", Path(__file__).parent / "journal" / "faulty_disk.py"
+        "faulty_disk", Path(__file__).parents[1] / "journal" / "faulty_disk.py"
     )
     faulty_disk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(faulty_disk)

@@ -23,7 +23,7 @@ from rlfeed.service.config import (
     with_overrides,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "rlfeed.example.toml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "rlfeed.example.toml"
 
 
 def test_example_file_is_the_documented_default_config() -> None:
