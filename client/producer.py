@@ -44,7 +44,6 @@ sent as 7.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections import deque
@@ -52,33 +51,25 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from rlfeed.client.arrow_codec import (
-    TOKEN_BYTES,
-    RolloutColumns,
-    encode_rollout_batch,
-    encode_rollouts,
-)
+from rlfeed.client.arrow_codec import TOKEN_BYTES, RolloutColumns
+from rlfeed.client.batch_sender import BatchSender
+from rlfeed.client.buffer_bound import BufferBound
 from rlfeed.client.narrowing import narrowed_columns
-from rlfeed.client.retry import FullSidecar, RetryPolicy
+from rlfeed.client.retry import RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
-    InvalidRolloutsError,
     SidecarError,
     Transport,
     address_of,
     connect,
-    fast_variant,
 )
+from rlfeed.client.writer_tasks import WriterTasks
 from rlfeed.proto import rlfeed_pb2 as pb
 
 if TYPE_CHECKING:
     from rlfeed.client.auth import ChannelSecurity, Credentials
     from typing_extensions import Unpack
 
-_log = logging.getLogger(__name__)
-
-# The sidecar's reason for a rollout of a task it does not know (service/scheduler/state.py).
-_UNKNOWN_TASK = "field task_id: unknown task"
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -165,9 +156,6 @@ class RolloutWriter:
         self._transport, self._owns_transport = connect(
             address_or_transport, security, **credentials
         )
-        # Request bytes written in one copy where the transport takes them (one copy of the
-        # token data, not three), as the loader resolves its fast path once.
-        self._submit_serialized = fast_variant(self._transport, "submit", "submit_serialized")
         self.max_batch_rollouts = max_batch_rollouts
         self.max_batch_bytes = max_batch_bytes
         self.max_buffered_rollouts = max_buffered_rollouts
@@ -179,17 +167,16 @@ class RolloutWriter:
         self._retry = RetryPolicy(self.address, connect_timeout_s, reconnect_timeout_s)
         self.connect_timeout_s = self._retry.connect_timeout_s
         self.reconnect_timeout_s = self._retry.reconnect_timeout_s
-        # Every task id registered through this writer, in order: registered again when a
-        # sidecar restarted without a journal has lost them.
-        self._tasks: dict[str, None] = {}
-        self._tasks_lock = threading.Lock()
+        self._tasks = WriterTasks(self._transport, self._retry)
+        self._sender = BatchSender(
+            self._transport, self._retry, retry_backoff_s, self._tasks.restore
+        )
         self.max_in_flight = max_in_flight
 
         self._pending = RolloutColumns.empty()
         self._pending_bytes = 0
         self._queue: deque[RolloutColumns] = deque()
-        self._unacked = 0  # pending + queued + in flight
-        self._unacked_bytes = 0  # their token payload
+        self._bound = BufferBound(max_buffered_rollouts, max_buffered_bytes)
         self._in_flight = 0  # batches being submitted
         self._sequence = 0  # of the next batch sent
         self._acks: list[tuple[int, pb.SubmitAck]] = []  # (sequence, ack)
@@ -237,8 +224,7 @@ class RolloutWriter:
                 sampler_logprobs=sampler_logprobs,
             )
             self._pending_bytes += nbytes
-            self._unacked_bytes += nbytes
-            self._unacked += 1
+            self._bound.add(nbytes)
             if (
                 len(self._pending) >= self.max_batch_rollouts
                 or self._pending_bytes >= self.max_batch_bytes
@@ -256,7 +242,9 @@ class RolloutWriter:
             while (self._queue or self._in_flight) and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"flush: {self._unacked} rollouts still unacknowledged")
+                    raise TimeoutError(
+                        f"flush: {self._bound.rollouts} rollouts still unacknowledged"
+                    )
                 self._cond.wait(remaining)
             self._raise_pending_error()
             acks, self._acks = self._acks, []
@@ -293,54 +281,24 @@ class RolloutWriter:
     @property
     def unacknowledged(self) -> int:
         """Rollouts written but not yet acknowledged by the sidecar."""
-        return self._unacked
+        return self._bound.rollouts
 
     @property
     def unacknowledged_bytes(self) -> int:
         """Their token payload in bytes (bounded by `max_buffered_bytes`)."""
-        return self._unacked_bytes
+        return self._bound.nbytes
 
     # -- tasks ----------------------------------------------------------------------------
 
     def register_tasks(self, task_ids: Sequence[str]) -> int:
         """Add tasks to the sidecar's pool (known ids are ignored); returns how many were new.
         An unreachable sidecar is asked again (module docstring)."""
-        ids = [str(t) for t in task_ids]
-        with self._tasks_lock:
-            self._tasks.update(dict.fromkeys(ids))
-        outage = self._retry.outage()
-        added = int(outage.call(lambda: self._transport.register_tasks(ids)).added)
-        if outage.interrupted:  # the sidecar may have restarted: the earlier tasks too
-            self._restore_tasks()
-        return added
+        return self._tasks.register(task_ids)
 
     def sample_tasks(self, n: int) -> list[str]:
         """The next tasks to run, per the sidecar's curriculum; may be fewer than n. An
         unreachable sidecar is asked again (module docstring)."""
-        sample = lambda: self._transport.sample_tasks(int(n))  # noqa: E731
-        outage = self._retry.outage()
-        response = outage.call(sample)
-        if outage.interrupted and self._restore_tasks():  # sampled from a pool it had lost
-            response = self._retry.call(sample)
-        return list(response.task_ids)
-
-    def _restore_tasks(self) -> int:
-        """Register this writer's tasks again (idempotent); returns how many the sidecar
-        did not know: > 0 only if it lost its pool (a restart without a journal)."""
-        with self._tasks_lock:
-            ids = list(self._tasks)
-        if not ids:
-            return 0
-        added = int(self._retry.call(lambda: self._transport.register_tasks(ids)).added)
-        if added:
-            _log.warning(
-                "rlfeed: the sidecar at %s had lost %d of the %d tasks this writer registered "
-                "(restarted without a journal?); registered them again",
-                self.address,
-                added,
-                len(ids),
-            )
-        return added
+        return self._tasks.sample(n)
 
     # -- internals (hold self._cond) --------------------------------------------------------
 
@@ -353,35 +311,21 @@ class RolloutWriter:
             error, self._error = self._error, None
             raise error
 
-    def _full(self, nbytes: int) -> bool:
-        """No room for one more rollout of `nbytes` token payload bytes (one larger than
-        the byte bound fits once nothing is held: it could never fit otherwise)."""
-        if self._unacked >= self.max_buffered_rollouts:
-            return True
-        return self._unacked > 0 and self._unacked_bytes + nbytes > self.max_buffered_bytes
-
-    def _held(self) -> str:
-        return (
-            f"{self._unacked} unacknowledged rollouts of {self._unacked_bytes} token bytes "
-            f"(max_buffered_rollouts={self.max_buffered_rollouts}, "
-            f"max_buffered_bytes={self.max_buffered_bytes})"
-        )
-
     def _wait_for_room(self, nbytes: int) -> None:
-        if not self._full(nbytes):
+        if not self._bound.full(nbytes):
             return
         if self.on_full == "raise":
             raise BufferFullError(
-                f"RolloutWriter holds {self._held()}: no room for a rollout of {nbytes} bytes"
+                f"RolloutWriter holds {self._bound.held()}: no room for a rollout of {nbytes} bytes"
             )
         if len(self._pending):
             self._seal()  # a full buffer of pending rollouts can only drain if sent
         deadline = None if self.block_timeout_s is None else time.monotonic() + self.block_timeout_s
-        while self._full(nbytes) and self._error is None:
+        while self._bound.full(nbytes) and self._error is None:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise BufferFullError(
-                    f"RolloutWriter: no room after {self.block_timeout_s} s ({self._held()})"
+                    f"RolloutWriter: no room after {self.block_timeout_s} s ({self._bound.held()})"
                 )
             self._cond.wait(remaining)
         self._raise_pending_error()
@@ -417,60 +361,15 @@ class RolloutWriter:
                 # gRPC's copy, it left twice a batch free at the top of this thread's heap,
                 # which glibc hands back to the kernel: every batch landed on fresh pages (8k-
                 # token benchmark: 32.7k page faults per producer, half its CPU; now 2k).
-                request = self._request(rows, sequence)
-                ack, error = self._submit_with_retry(request, rows)
+                request = self._sender.request(rows, sequence)
+                ack, error = self._sender.submit(request, rows)
             except Exception as exc:  # surfaced to the producer, never lost in this thread
                 ack, error = None, exc
             with self._cond:
                 self._in_flight -= 1
-                self._unacked -= len(rows)
-                self._unacked_bytes -= rows.token_bytes()
+                self._bound.acknowledged(len(rows), rows.token_bytes())
                 if ack is not None:
                     self._acks.append((sequence, ack))
                 if error is not None and self._error is None:
                     self._error = error
                 self._cond.notify_all()
-
-    def _request(self, rows: RolloutColumns, sequence: int) -> bytes | pb.RolloutBatch:
-        """The batch as the transport sends it: serialized where it takes bytes."""
-        if self._submit_serialized is not None:
-            return encode_rollout_batch(rows, sequence)
-        return pb.RolloutBatch(arrow_ipc=encode_rollouts(rows), sequence=sequence)
-
-    def _submit_with_retry(
-        self, request: bytes | pb.RolloutBatch, rows: RolloutColumns
-    ) -> tuple[pb.SubmitAck | None, Exception | None]:
-        if self._submit_serialized is not None:  # `_request` serialized it
-            send = lambda: self._submit_serialized(request)  # noqa: E731
-        else:
-            send = lambda: self._transport.submit(request)  # noqa: E731
-        backoff = self.retry_backoff_s
-        outage = self._retry.outage()
-        full = FullSidecar(self.address, self.retry_backoff_s)
-        restored = False
-        while True:
-            try:
-                ack = send()
-            except InvalidRolloutsError as exc:
-                outage.succeeded()
-                if not restored and _UNKNOWN_TASK in exc.message and self._restore_tasks():
-                    restored = True  # a restarted sidecar lost the pool: it has it again
-                    continue
-                return None, InvalidRolloutsError(exc.message, tuple(rows.rollout_id))
-            except BufferFullError as exc:
-                # A full sidecar is waited out for as long as it takes, at its hinted pace,
-                # with a warning at once and every 10 s.
-                outage.succeeded()
-                time.sleep(full.pause_s(exc))
-                continue
-            except SidecarError as exc:
-                exc.rollout_ids = tuple(rows.rollout_id)  # the caller may re-send them
-                try:
-                    outage.failed(exc)  # an unreachable one under the retry policy
-                except SidecarError as final:
-                    return None, final
-            else:
-                outage.succeeded()
-                return ack, None
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
