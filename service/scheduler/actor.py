@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
+from rlfeed.service.scheduler.frontends import FrontendRegistry
 from rlfeed.service.scheduler.journaled import JournaledScheduler
 from rlfeed.service.scheduler.records import (
     BatchHandle,
@@ -27,7 +27,6 @@ from rlfeed.service.scheduler.records import (
     Fetch,
     FetchKind,
     FetchNote,
-    FrontendSeen,
     HeldBy,
     IngestKind,
     IngestReply,
@@ -36,36 +35,12 @@ from rlfeed.service.scheduler.records import (
     Releases,
     SampleResult,
     SlotClaim,
-    StepWork,
     StoredObject,
     StoreStepNote,
 )
 from rlfeed.service.scheduler.state import Scheduler
 
 _log = logging.getLogger("rlfeed.service.scheduler.actor")
-_MAX_PENDING_STEP_RELEASES = 4096  # per front-end, see SchedulerActor._take_releases
-# A front-end whose watch (it asks every second) has not asked for this long is shown
-# "unresponsive" by `rlfeed status`.
-_SERVING_WITHIN_S = 3.0
-
-
-@dataclass
-class _Frontend:
-    """A registered front-end: where its peers reach it, and what it may free, kept until
-    its next call that answers with `Releases`."""
-
-    peer_address: str
-    address: str = ""  # where clients reach it (host:port of its public port)
-    node_id: str = ""  # the Ray node it runs on
-    last_seen: float = field(default_factory=time.monotonic)  # its watch's last question
-    released_keys: list[int] = field(default_factory=list)
-    released_steps: list[int] = field(default_factory=list)
-
-    def seen(self, frontend_id: str, slot: str, state: str | None = None) -> FrontendSeen:
-        ago = time.monotonic() - self.last_seen
-        if state is None:
-            state = "serving" if ago <= _SERVING_WITHIN_S else "unresponsive"
-        return FrontendSeen(frontend_id, self.address, self.node_id, slot, state, ago)
 
 
 class SchedulerActor:
@@ -75,22 +50,15 @@ class SchedulerActor:
         # Which start of this actor this is: a front-end that sees it change re-registers.
         self._incarnation = secrets.token_hex(8)
         self._journaled = bool(config.journal.dir)
-        self._frontends: dict[str, _Frontend] = {}  # the registered ones, by id
-        # Each front-end's journal slot, kept after it leaves: its journal outlives it.
-        self._slots: dict[str, str] = {}
+        # Front-ends, their slots and the planned steps each materializes.
+        self._registry = FrontendRegistry(self._journaled)
         # Never materializes (front-ends do); reports what it stops needing. With a journal
         # it starts from what the journal holds (Ray restarts it there after a crash).
         self._scheduler: Scheduler | JournaledScheduler
         self._recovered_work: list = []
-        # Planned steps not stored yet: who materializes each, and its work, so that the
-        # work of a front-end that dies goes to the next front-end of its slot.
-        self._materializing: dict[int, tuple[str, StepWork]] = {}
-        self._orphaned_work: dict[str, list[StepWork]] = {}  # slot -> work of its dead one
-        self._orphaned: set[str] = set()  # front-ends declared dead: their calls are refused
-        self._restarting: dict[str, tuple[str, _Frontend]] = {}  # slot -> the dead one
         if config.journal.dir:
             self._scheduler = JournaledScheduler(
-                config, Path(config.journal.dir), self._ref_of, on_write_failure=_fail_stop
+                config, Path(config.journal.dir), self._registry.ref_of, on_write_failure=_fail_stop
             )
             self._recovered_work = self._scheduler.recovered_work
         else:
@@ -111,8 +79,7 @@ class SchedulerActor:
     def incarnation(self, frontend_id: str = "") -> str:
         """Which start of this actor answers; a front-end's watch asks every second, which
         is also how `rlfeed status` knows it is alive."""
-        if frontend_id in self._frontends:
-            self._frontends[frontend_id].last_seen = time.monotonic()
+        self._registry.touch(frontend_id)
         return self._incarnation
 
     def _require_registered(self, frontend_id: str) -> None:
@@ -120,13 +87,7 @@ class SchedulerActor:
         register again first: its batches could not be journaled by their slot. Raised
         as an error, so the call answers UNAVAILABLE and the producer retries. A call of a
         front-end declared dead (`orphan_slot`) that arrives late is refused the same way."""
-        if frontend_id in self._orphaned:
-            raise RuntimeError(f"front-end {frontend_id} was declared dead")
-        if self._journaled and frontend_id not in self._frontends:
-            raise RuntimeError(
-                f"front-end {frontend_id} is not registered with this scheduler (it restarted); "
-                "the front-end registers again within a second"
-            )
+        self._registry.require_registered(frontend_id)
 
     def register_frontend(
         self,
@@ -140,12 +101,7 @@ class SchedulerActor:
         holds at `peer_address`; releases are kept for it from now on. `slot`: the folder
         of its journal (its batch keys are positions there), if journaling. `address` and
         `node_id`: where clients reach it and its Ray node, for `rlfeed status`."""
-        known = self._frontends.setdefault(frontend_id, _Frontend(peer_address))
-        known.address, known.node_id = address, node_id
-        known.last_seen = time.monotonic()
-        if slot:
-            self._slots[frontend_id] = slot
-            self._restarting.pop(slot, None)
+        self._registry.register(frontend_id, peer_address, slot, address, node_id)
 
     def claim_slot(self, frontend_id: str, slot: str) -> SlotClaim:
         """The front-end serving `slot` takes over what recovery left in that slot's
@@ -154,12 +110,8 @@ class SchedulerActor:
         if not isinstance(self._scheduler, JournaledScheduler):
             return SlotClaim()
         batches, steps = self._scheduler.claim_journaled(slot, frontend_id)
-        work = [*self._recovered_work, *self._orphaned_work.pop(slot, [])]
+        work = self._registry.claim(slot, frontend_id, self._recovered_work, self._scheduler)
         self._recovered_work = []
-        # The handles as they are now: batches of this slot are this front-end's again.
-        work = [replace(w, payloads=self._scheduler.step_payloads(w.step)) for w in work]
-        for item in work:
-            self._materializing[item.step] = (frontend_id, item)
         return SlotClaim(batches=batches, steps=steps, work=work)
 
     def orphan_slot(self, slot: str) -> list[str]:
@@ -171,18 +123,7 @@ class SchedulerActor:
         its batches answer UNAVAILABLE and are retried."""
         if not isinstance(self._scheduler, JournaledScheduler):
             return []
-        dead = [fid for fid, s in self._slots.items() if s == slot and fid in self._frontends]
-        for frontend_id in dead:
-            self._restarting[slot] = (frontend_id, self._frontends.pop(frontend_id))
-            self._orphaned.add(frontend_id)
-            self._scheduler.orphan_frontend(frontend_id, slot, self._scheduler.step_refs())
-            unstored = set(self._scheduler.unstored_steps(list(self._materializing)))
-            orphaned = self._orphaned_work.setdefault(slot, [])
-            for step, (owner, work) in sorted(self._materializing.items()):
-                if owner == frontend_id and step in unstored:
-                    orphaned.append(work)
-                    del self._materializing[step]
-        return dead
+        return self._registry.orphan(slot, self._scheduler)
 
     def step_payloads(self, step: int) -> dict[int, Any]:
         """The current handles of what a planned, unstored step reads (see
@@ -195,12 +136,6 @@ class SchedulerActor:
             return None
         return self._scheduler.journal_floor(slot)
 
-    def _ref_of(self, handle: Any) -> JournalRef | None:
-        """Where a payload handle's bytes are journaled (the scheduler's journal names it)."""
-        if isinstance(handle, BatchHandle) and handle.frontend_id in self._slots:
-            return JournalRef(self._slots[handle.frontend_id], handle.key)
-        return handle if isinstance(handle, JournalRef) else None
-
     def _commit(self) -> None:
         """Make the calls this one recorded durable before it answers (no-op unjournaled)."""
         if isinstance(self._scheduler, JournaledScheduler):
@@ -208,11 +143,11 @@ class SchedulerActor:
 
     def unregister_frontend(self, frontend_id: str) -> None:
         """A front-end stopped: no more releases are kept for it."""
-        self._frontends.pop(frontend_id, None)
+        self._registry.frontends.pop(frontend_id, None)
 
     def frontend_addresses(self) -> dict[str, str]:
         """Front-end id -> peer address, of every registered front-end."""
-        return {frontend_id: f.peer_address for frontend_id, f in self._frontends.items()}
+        return {fid: known.peer_address for fid, known in self._registry.frontends.items()}
 
     def register_tasks(self, task_ids: list[str]) -> tuple[int, int] | Refused:
         """(added, total), or Refused naming the bad task id."""
@@ -230,7 +165,7 @@ class SchedulerActor:
 
     def sync(self, frontend_id: str, notes: list) -> Releases:
         """Apply a front-end's notes; returns what it may free now."""
-        if frontend_id in self._orphaned:  # late: its steps go to its slot's next one
+        if frontend_id in self._registry.orphaned:  # late: its steps go to its slot's next one
             raise RuntimeError(f"front-end {frontend_id} was declared dead")
         self.apply_notes(notes)
         return self._take_releases(frontend_id)
@@ -253,15 +188,15 @@ class SchedulerActor:
         self._commit()
 
     def _store_step(self, note: StoreStepNote) -> None:
-        self._materializing.pop(note.step, None)
+        self._registry.materializing.pop(note.step, None)
         if not isinstance(self._scheduler, JournaledScheduler):
             self._scheduler.store_step(note.step, note.handles, note.response_bytes)
             return
         frontend_id = self._frontend_of(note.handles[0])
-        slot = self._slots.get(frontend_id, "")
+        slot = self._registry.slots.get(frontend_id, "")
         refs = [JournalRef(slot, position) for position in note.positions] if slot else None
         # A late note of a front-end declared dead: its journal holds the bytes, not it.
-        handles = refs if refs and frontend_id in self._orphaned else note.handles
+        handles = refs if refs and frontend_id in self._registry.orphaned else note.handles
         self._scheduler.store_step(note.step, handles, note.response_bytes, refs)
 
     @staticmethod
@@ -269,28 +204,8 @@ class SchedulerActor:
         return handle.frontend_id if isinstance(handle, HeldBy) else ""
 
     def _take_releases(self, frontend_id: str) -> Releases:
-        """Sort what the scheduler released since the last call by front-end (a batch goes
-        to the front-end holding it, a step to every front-end: any may hold its bytes)
-        and hand `frontend_id` its share."""
-        payloads, steps = self._scheduler.take_releases()
-        for handle in payloads:
-            if not isinstance(handle, BatchHandle):  # StoredObject: freed with its reference
-                continue
-            owner, key = handle
-            if owner in self._frontends:  # a front-end that left took its memory along
-                self._frontends[owner].released_keys.append(key)
-        if steps:
-            for front_end in self._frontends.values():
-                front_end.released_steps.extend(steps)
-                # A front-end that stopped calling must not grow this without bound; a step
-                # it misses leaves its memory with the cache limit instead.
-                del front_end.released_steps[:-_MAX_PENDING_STEP_RELEASES]
-        front_end = self._frontends.get(frontend_id)
-        if front_end is None:
-            return Releases()
-        releases = Releases(payload_keys=front_end.released_keys, steps=front_end.released_steps)
-        front_end.released_keys, front_end.released_steps = [], []
-        return releases
+        """What `frontend_id` may free of what the scheduler released since the last call."""
+        return self._registry.take_releases(frontend_id, *self._scheduler.take_releases())
 
     def ingest(
         self, frontend_id: str, notes: list, batches: list[tuple[BatchMeta, Any]]
@@ -305,7 +220,7 @@ class SchedulerActor:
         self._commit()
         if self._journaled:
             for reply in replies:
-                self._materializing.update((w.step, (frontend_id, w)) for w in reply.work)
+                self._registry.materializing.update((w.step, (frontend_id, w)) for w in reply.work)
         if replies:
             replies[-1] = replace(replies[-1], releases=self._take_releases(frontend_id))
         return replies
@@ -323,7 +238,7 @@ class SchedulerActor:
         return IngestReply(kind=IngestKind.OK, result=result, work=work)
 
     def record_rejection(self, frontend_id: str, notes: list) -> None:
-        if frontend_id in self._orphaned:
+        if frontend_id in self._registry.orphaned:
             return
         self.apply_notes(notes)
         self._scheduler.record_rejection()
@@ -404,17 +319,11 @@ class SchedulerActor:
         return None
 
     def status(self) -> Any:
-        front_end_list = [
-            known.seen(fid, self._slots.get(fid, "")) for fid, known in self._frontends.items()
-        ]
-        front_end_list += [
-            dead.seen(fid, slot, "restarting") for slot, (fid, dead) in self._restarting.items()
-        ]
         return replace(
             self._scheduler.status(),
-            front_ends=len(self._frontends),
+            front_ends=len(self._registry.frontends),
             notes_refused=self._notes_refused,
-            front_end_list=tuple(sorted(front_end_list, key=lambda f: (f.slot, f.frontend_id))),
+            front_end_list=self._registry.seen(),
         )
 
     def step_records(self, since_step: int = 0) -> list:
