@@ -94,8 +94,10 @@ class RolloutWriter:
       scheduler-actor calls.
     max_buffered_rollouts: unacknowledged rollouts held at most (>= max_batch_rollouts).
     max_buffered_bytes: their token payload held at most, in bytes (9 a token: id, mask,
-      log-prob; >= max_batch_bytes); default 64 MiB, about 900 rollouts of 8k tokens. A
-      rollout larger than the whole bound is taken alone, once nothing else is held.
+      log-prob; >= max_batch_bytes); default 64 MiB (about 900 rollouts of 8k tokens), or
+      max_batch_bytes when that is larger, so a writer made for larger batches still
+      starts. A rollout larger than the whole bound is taken alone, once nothing else is
+      held.
       On top: each sender's serialized batch (see max_in_flight).
     on_full: "block" waits for room (up to `block_timeout_s`, then BufferFullError);
       "raise" raises BufferFullError at once.
@@ -127,7 +129,7 @@ class RolloutWriter:
         max_batch_rollouts: int = DEFAULT_MAX_BATCH_ROLLOUTS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         max_buffered_rollouts: int = 4096,
-        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        max_buffered_bytes: int | None = None,
         on_full: Literal["block", "raise"] = "block",
         block_timeout_s: float | None = None,
         retry_backoff_s: float = 0.01,
@@ -144,6 +146,8 @@ class RolloutWriter:
                 f"max_buffered_rollouts ({max_buffered_rollouts}) must be >= "
                 f"max_batch_rollouts ({max_batch_rollouts})"
             )
+        if max_buffered_bytes is None:
+            max_buffered_bytes = max(DEFAULT_MAX_BUFFERED_BYTES, max_batch_bytes)
         if max_buffered_bytes < max_batch_bytes:
             raise ValueError(
                 f"max_buffered_bytes ({max_buffered_bytes}) must be >= "

@@ -165,3 +165,6 @@ def test_the_byte_bound_defaults_to_64_mib_and_holds_at_least_a_batch() -> None:
     assert RolloutWriter(sidecar).max_buffered_bytes == DEFAULT_MAX_BUFFERED_BYTES == 64 << 20
     with pytest.raises(ValueError, match=r"max_buffered_bytes \(1000\) must be >= max_batch"):
         RolloutWriter(sidecar, max_batch_bytes=4096, max_buffered_bytes=1000)
+    # A writer made for batches larger than the default bound (as before the bound) starts:
+    # unset, the bound is its batch size.
+    assert RolloutWriter(sidecar, max_batch_bytes=1 << 30).max_buffered_bytes == 1 << 30
