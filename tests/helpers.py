@@ -1,9 +1,13 @@
 """Helpers shared by tests (on sys.path through pytest's `pythonpath`): a free loopback
-port and a bounded wait for a condition."""
+port, a bounded wait for a condition, and `rlfeed serve` started in the background."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -26,3 +30,33 @@ def wait_until(
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(interval_s)
+
+
+def serve_in_background(*arguments: str, timeout_s: float = 120.0):
+    """`rlfeed serve ARGUMENTS --port 0` in the background, once it listens: (process, its
+    address, the `listening on` line). The caller stops it (`stop_serve`)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rlfeed", "serve", *arguments, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line and server.poll() is not None:
+            raise AssertionError(f"rlfeed serve exited during start-up ({server.returncode})")
+        if line.startswith("rlfeed serve: listening on "):
+            return server, line.split()[4], line
+    stop_serve(server)
+    raise AssertionError(f"rlfeed serve did not print its address within {timeout_s} s")
+
+
+def stop_serve(server) -> None:
+    """SIGTERM (its normal stop), then SIGKILL if it has not exited after 20 s."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from helpers import serve_in_background, stop_serve
 
 # Start-up of a Python process with grpc imported, on a loaded 2-core machine.
 PROCESS_SLACK_S = 15.0
@@ -43,30 +44,13 @@ def tokened_serve(tmp_path):
         '[batching]\ntoken_budget = 2048\n[ray]\nactor_name = "health-probe"\n'
         "[rollouts]\nprompts_per_step = 2\ngroup_size = 2\nvocab_size = 512\n"
     )
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rlfeed", "serve", "--config", str(config), "--port", "0",
-         "--auth-token-file", str(tokens)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    server, address, _ = serve_in_background(
+        "--config", str(config), "--auth-token-file", str(tokens)
+    )
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "rlfeed serve exited during start-up"
-            if line.startswith("rlfeed serve: listening on "):
-                address = line.split()[4]
-        assert address is not None, "rlfeed serve did not print its address"
         yield server, address
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_serve(server)
 
 
 def test_health_answers_a_tokened_sidecar_without_a_token_and_fails_once_it_stops(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import stat
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import serve_in_background, stop_serve
 from rlfeed.client.transport import AuthenticationError, GrpcTransport
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "raycluster.yaml"
@@ -144,21 +144,10 @@ def test_a_rotated_secret_reaches_a_running_rlfeed_serve(tmp_path, secret_dirs, 
         '[batching]\ntoken_budget = 2048\n[ray]\nactor_name = "sync-security"\n'
         "[rollouts]\nprompts_per_step = 2\ngroup_size = 2\nvocab_size = 512\n"
     )
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rlfeed", "serve", "--config", str(config), "--port", "0",
-         "--auth-token-file", str(private / "tokens")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    server, address, _ = serve_in_background(
+        "--config", str(config), "--auth-token-file", str(private / "tokens")
+    )
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "rlfeed serve exited during start-up"
-            if line.startswith("rlfeed serve: listening on "):
-                address = line.split()[4]
-        assert address is not None
         assert GrpcTransport(address, token=old, call_timeout_s=10).status() is not None
         (private / ".synced").unlink()
         watcher(server.pid)
@@ -179,9 +168,4 @@ def test_a_rotated_secret_reaches_a_running_rlfeed_serve(tmp_path, secret_dirs, 
         assert GrpcTransport(address, token=new, call_timeout_s=10).status() is not None
         assert server.poll() is None
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_serve(server)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from helpers import serve_in_background, stop_serve
 from rlfeed.client.transport import AuthenticationError, GrpcTransport
 
 
@@ -41,31 +42,15 @@ def secured_serve(tmp_path):
         '[batching]\ntoken_budget = 2048\nworld_size = 2\n[ray]\nactor_name = "secured"\n'
         "[rollouts]\nprompts_per_step = 4\ngroup_size = 4\nvocab_size = 512\n"
     )
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rlfeed", "serve", "--config", str(config), "--port", "0",
-         "--auth-token-file", str(token_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    server, address, line = serve_in_background(
+        "--config", str(config), "--auth-token-file", str(token_file)
+    )
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "rlfeed serve exited during start-up"
-            if line.startswith("rlfeed serve: listening on "):
-                address = line.split()[4]
-        assert address is not None, "rlfeed serve did not print its address"
         # Whoever reads the log sees what guards the port.
         assert line.rstrip().endswith("(embedded Ray; TLS off, mTLS off, tokens on)"), line
         yield server, address, token_file, tokens
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_serve(server)
 
 
 def test_status_needs_an_admin_token_from_the_environment(secured_serve):
