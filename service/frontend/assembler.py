@@ -18,7 +18,7 @@ from dataclasses import replace
 import ray
 from rlfeed.sched.assembly import TokenColumns
 from rlfeed.service.codec.materialize import materialize_work
-from rlfeed.service.frontend.journaling import KIND_RESPONSE
+from rlfeed.service.frontend.journaling import journal_step
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.scheduler.records import (
     BatchHandle,
@@ -155,13 +155,13 @@ class StepAssembler:
             record = replace(work.record, response_bytes=size)
             frontend.events.on_step(record, responses=responses, ready_time=planned_at)
             with self._journaling():
-                # Journaled before the actor hears of the step: its journal names them.
+                # Digests, or (a step the scheduler cannot build again) the bytes, journaled
+                # before the actor hears of the step: its journal names them.
                 journal = frontend.journal
-                positions = journal.append_all(KIND_RESPONSE, responses) if journal else []
+                positions, digests = journal_step(journal, work, responses) if journal else ([], [])
                 with frontend.storing:
-                    frontend.scheduler.note(
-                        StoreStepNote(step, [frontend.marker] * len(responses), size, positions)
-                    )
+                    handles = [frontend.marker] * len(responses)
+                    frontend.scheduler.note(StoreStepNote(step, handles, size, positions, digests))
                     frontend.responses.put(step, responses)
                     # Stored: never built again, whatever fails below (the actor will release
                     # the batches it read). Work for a lower step may have arrived meanwhile.

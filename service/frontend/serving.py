@@ -35,6 +35,7 @@ from rlfeed.service.scheduler.records import (
     FetchNote,
     HeldBy,
     JournalRef,
+    Rederive,
     Refused,
     StoredObject,
 )
@@ -343,7 +344,7 @@ class BatchServing:
             response = ray.get(handle.ref)
             frontend.events.on_served(step, rank, response)
             return response
-        if isinstance(handle, JournalRef):  # its front-end died; the next one loads it
+        if isinstance(handle, JournalRef | Rederive):  # its front-end died; the next one loads it
             raise CallEnds(
                 grpc.StatusCode.UNAVAILABLE,
                 f"step {step} is in the journal of {handle.slot}, whose front-end restarts; "

@@ -55,14 +55,15 @@ def create_segment(directory: Path, base_seq: int) -> Segment:
     return Segment(path, base_seq)
 
 
-def list_segments(directory: Path) -> list[Segment]:
-    """The directory's segments in record order; leftover temp files of a crash are deleted."""
+def list_segments(directory: Path, *, writer: bool = True) -> list[Segment]:
+    """The directory's segments in record order; its `writer` deletes the leftover temp
+    files of a crash (a reader must not: the writer may be creating one)."""
     segments = []
     for entry in os.scandir(directory):
         match = _SEGMENT_NAME.match(entry.name)
         if match:
             segments.append(Segment(Path(entry.path), int(match.group(1))))
-        elif _SEGMENT_TMP.match(entry.name):
+        elif writer and _SEGMENT_TMP.match(entry.name):
             _log.warning("journal: deleting %s, a segment whose creation a crash cut", entry.path)
             os.unlink(entry.path)
     return sorted(segments, key=lambda s: s.base_seq)
@@ -204,3 +205,16 @@ def delete_segments(directory: Path, segments: list[Segment]) -> None:
         os.unlink(segment.path)
     if segments:
         fsync_directory(directory)
+
+
+def read_positions(directory: Path, positions: set[int], max_record_bytes: int) -> dict[int, bytes]:
+    """Position -> payload of records `positions` of the journal in `directory`, read
+    without its lock: its writer may be appending (past them) meanwhile, as long as it
+    keeps them (a front-end reading another slot's batches, which the scheduler's
+    `journal_floor` protects from retention). One sequential read from the lowest.
+    Raises like `read_segments` if one is gone or damaged."""
+    if not positions:
+        return {}
+    segments = list_segments(directory, writer=False)
+    records = read_segments(segments, min(positions) - 1, max(positions), max_record_bytes)
+    return {record.seq: record.payload for record in records if record.seq in positions}

@@ -31,6 +31,7 @@ from rlfeed.service.scheduler.records import (
     IngestKind,
     IngestReply,
     JournalRef,
+    Rederive,
     Refused,
     Releases,
     SampleResult,
@@ -109,10 +110,17 @@ class SchedulerActor:
         it must load those positions before it serves them."""
         if not isinstance(self._scheduler, JournaledScheduler):
             return SlotClaim()
-        batches, steps = self._scheduler.claim_journaled(slot, frontend_id)
+        batches, step_refs = self._scheduler.claim_journaled(slot, frontend_id)
         work = self._registry.claim(slot, frontend_id, self._recovered_work, self._scheduler)
         self._recovered_work = []
-        return SlotClaim(batches=batches, steps=steps, work=work)
+        steps, derive = {}, []
+        for step, refs in sorted(step_refs.items()):
+            if isinstance(refs[0], Rederive):
+                recipe = self._scheduler.recipe(step)
+                derive.append((recipe, [(ref.crc32c, ref.size) for ref in refs]))
+            else:
+                steps[step] = [ref.position for ref in refs]
+        return SlotClaim(batches=batches, steps=steps, work=work, derive=derive)
 
     def orphan_slot(self, slot: str) -> list[str]:
         """The front-end serving `slot` died (its process exited without handing over):
@@ -194,7 +202,11 @@ class SchedulerActor:
             return
         frontend_id = self._frontend_of(note.handles[0])
         slot = self._registry.slots.get(frontend_id, "")
-        refs = [JournalRef(slot, position) for position in note.positions] if slot else None
+        refs: list | None = None
+        if slot and note.digests:  # built again from its batches after a restart
+            refs = [Rederive(slot, crc, size) for crc, size in note.digests]
+        elif slot:
+            refs = [JournalRef(slot, position) for position in note.positions]
         # A late note of a front-end declared dead: its journal holds the bytes, not it.
         handles = refs if refs and frontend_id in self._registry.orphaned else note.handles
         self._scheduler.store_step(note.step, handles, note.response_bytes, refs)

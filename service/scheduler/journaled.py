@@ -8,11 +8,14 @@ counter), and `commit()` makes the records durable before the actor replies. Rec
 replays them through the plain `Scheduler` methods into the same state, the random
 generator of `sample_tasks` included.
 
-Bulk bytes are never in this journal: an ingest batch's columns and a step's responses
-live in the journal of the front-end that received or materialized them, and the records
-here name them as `JournalRef(slot, position)`. After recovery every handle in the state
-is such a reference; the front-end of each slot loads what its slot holds
-(`claim_slot`) and the references become memory handles again.
+Bulk bytes are never in this journal: an ingest batch's columns live in the journal of
+the front-end that received them, named here as `JournalRef(slot, position)`. A stored
+step's responses are in no journal: this one keeps the step's recipe (`recipes.py`) and
+names each rank's response as `Rederive(slot, crc32c, size)`, the front-end of `slot`
+building it again after a restart. (Journals of call format 1 name responses that the
+front-end journaled, as `JournalRef`s; they are read as before.) After recovery every
+handle in the state is such a reference; the front-end of each slot loads or rebuilds what
+its slot holds (`claim_slot`) and the references become memory handles again.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from rlfeed.service.journal import (
     JournalVersionError,
     SnapshotStore,
 )
+from rlfeed.service.scheduler.recipes import StepRecipes
 from rlfeed.service.scheduler.records import (
     BatchMeta,
     FetchResult,
     IngestResult,
     JournalRef,
+    Rederive,
     SampleResult,
     StepRecord,
     StepWork,
@@ -50,16 +55,24 @@ _log = logging.getLogger("rlfeed.service.scheduler.journaled")
 
 SCHEDULER_SLOT = "scheduler"  # the folder of this journal under [journal] dir
 _CALL = 1  # the one record kind: [format version, method, *arguments]
-CALL_FORMAT_VERSION = 1
+# 2: a stored step's responses may be named as Rederive maps, not only journal positions.
+CALL_FORMAT_VERSION = 2
+READS_CALL_FORMATS = (1, CALL_FORMAT_VERSION)
 
 RefOf = Callable[[Any], JournalRef | None]  # a payload handle -> where its bytes are journaled
+Ref = JournalRef | Rederive
 
 
-def _ref(value: JournalRef | None) -> list | None:
+def _ref(value: Ref | None) -> list | dict | None:
+    """A reference as a msgpack value: [slot, position], or a Rederive as a map."""
+    if isinstance(value, Rederive):
+        return {"slot": value.slot, "crc32c": value.crc32c, "size": value.size}
     return None if value is None else [value.slot, value.position]
 
 
-def _unref(value: list | None) -> JournalRef | None:
+def _unref(value: list | dict | None) -> Ref | None:
+    if isinstance(value, dict):
+        return Rederive(value["slot"], int(value["crc32c"]), int(value["size"]))
     return None if value is None else JournalRef(value[0], int(value[1]))
 
 
@@ -87,7 +100,8 @@ class JournaledScheduler(Scheduler):
         self._durable = config.journal.sync != "none"
         self._snapshot_every = config.journal.snapshot_every_records
         self._ref_of = ref_of
-        self._step_refs: dict[int, list[JournalRef]] = {}  # held steps' journaled responses
+        self._step_refs: dict[int, list[Ref]] = {}  # where held steps' responses come from
+        self._recipes = StepRecipes()  # how to build again those named as Rederive
         self._since_snapshot = 0
         self._replaying = False
         self.recovered_work = self._recover()
@@ -131,6 +145,7 @@ class JournaledScheduler(Scheduler):
         )
         if state is None:
             return False
+        state["recipes"] = self._recipes.state(self.held_steps(list(self._step_refs)))
         position = self._journal.sync()  # never a snapshot ahead of the journal
         self._snapshots.write(position, STATE_VERSION, state)
         self._since_snapshot = 0
@@ -139,18 +154,28 @@ class JournaledScheduler(Scheduler):
 
     def journal_floor(self, slot: str) -> int | None:
         """The oldest position of `slot`'s journal the state still refers to (a buffered
-        or unstored step's batch, a held step's response); None if none: the front-end
-        of that slot may delete the segments before it."""
+        or unstored step's batch, a held step's response or the batches it is built
+        from); None if none: the front-end of that slot may delete the segments before it."""
         positions = [
             ref.position
             for handle in self.payload_handles()
             if (ref := self._ref_of(handle)) is not None and ref.slot == slot
         ]
-        for step in self.held_steps(list(self._step_refs)):  # not released yet
-            positions.extend(ref.position for ref in self._step_refs[step] if ref.slot == slot)
+        held = self.held_steps(list(self._step_refs))  # not released yet
+        for step in held:
+            positions.extend(
+                ref.position
+                for ref in self._step_refs[step]
+                if isinstance(ref, JournalRef) and ref.slot == slot
+            )
+        positions.extend(self._recipes.positions(slot, held))
         return min(positions, default=None)
 
-    def step_refs(self) -> dict[int, list[JournalRef]]:
+    def recipe(self, step: int) -> StepWork | None:
+        """How a held step named by `Rederive`s is built again (batches as JournalRefs)."""
+        return self._recipes.get(step)
+
+    def step_refs(self) -> dict[int, list[Ref]]:
         """Where each held step's responses are journaled, per rank (a copy): what
         `orphan_frontend` turns a dead front-end's steps back into."""
         return {step: list(refs) for step, refs in self._step_refs.items()}
@@ -159,6 +184,7 @@ class JournaledScheduler(Scheduler):
         payloads, steps = super().take_releases()
         for step in steps:
             self._step_refs.pop(step, None)
+        self._recipes.forget(steps)
         return payloads, steps
 
     def close(self) -> None:
@@ -193,22 +219,30 @@ class JournaledScheduler(Scheduler):
 
     def plan_ready_steps(self) -> list[StepWork]:
         # Not recorded: replaying the ingest that made the steps ready plans them again.
-        return super().plan_ready_steps()
+        return [self._recipes.keep(work, self._ref_of) for work in super().plan_ready_steps()]
 
     def store_step(
         self,
         step: int,
         responses: list[Any],
         response_bytes: int | None = None,
-        refs: list[JournalRef] | None = None,
+        refs: list[Ref] | None = None,
     ) -> StepRecord:
-        """Also `refs`: where each rank's response is journaled (replayed as the handles)."""
+        """Also `refs`: where each rank's response comes from after a restart (replayed
+        as the handles): its journal position, or a `Rederive` of a `derivable` step."""
         if refs is None or len(refs) != len(responses):
             raise ValueError(f"step {step}: store_step needs a journal reference per rank")
+        if isinstance(refs[0], Rederive) and self._recipes.get(step) is None:
+            raise ValueError(f"step {step}: its responses were not journaled, nor its recipe")
         record = super().store_step(step, responses, response_bytes)
-        self._step_refs[step] = list(refs)
+        self._stored(step, refs)
         self._record("store_step", int(step), [_ref(r) for r in refs], record.response_bytes)
         return record
+
+    def _stored(self, step: int, refs: list[Ref]) -> None:
+        self._step_refs[step] = list(refs)
+        if not isinstance(refs[0], Rederive):  # journaled bytes: no need to build them
+            self._recipes.forget([step])
 
     def fetch_batch(self, step: int, rank: int) -> FetchResult:
         first = self.first_fetch(step, rank)
@@ -247,6 +281,7 @@ class JournaledScheduler(Scheduler):
                     READS_STATE_VERSIONS,
                 )
             self.restore_state(snapshot.state, _unref)
+            self._recipes.restore(snapshot.state.get("recipes", {}))
             after = snapshot.position
         unstored, calls = self._replay(after)
         self._versions.take_unreported()  # the metrics of the process that dropped them are gone
@@ -274,12 +309,12 @@ class JournaledScheduler(Scheduler):
                 version, method, *args = msgpack.unpackb(
                     record.payload, raw=False, strict_map_key=False
                 )
-                if version != CALL_FORMAT_VERSION:
+                if version not in READS_CALL_FORMATS:
                     raise JournalVersionError(
                         self._journal.directory / f"record {record.seq}",
                         "scheduler call format",
                         version,
-                        (CALL_FORMAT_VERSION,),
+                        READS_CALL_FORMATS,
                     )
                 planned, stored = self._apply_recorded(method, args)
                 unstored.update((work.step, work) for work in planned)
@@ -305,10 +340,13 @@ class JournaledScheduler(Scheduler):
                 policy_tokens=np.asarray(policy_tokens, dtype=np.int64),
             )
             result = Scheduler.ingest_batch(self, meta, _unref(ref))
-            return (Scheduler.plan_ready_steps(self) if result.steps_ready else []), None
+            planned = Scheduler.plan_ready_steps(self) if result.steps_ready else []
+            return [self._recipes.keep(work, self._ref_of) for work in planned], None
         if method == "store_step":
             step, refs, response_bytes = args
-            Scheduler.store_step(self, step, [_unref(r) for r in refs], response_bytes)
+            handles = [_unref(r) for r in refs]
+            Scheduler.store_step(self, step, handles, response_bytes)
+            self._stored(step, handles)
             return [], step
         if method == "fetch_batch":
             Scheduler.fetch_batch(self, *args)

@@ -46,6 +46,17 @@ class JournalRef(NamedTuple):
     position: int
 
 
+class Rederive(NamedTuple):
+    """A stored step's response for one rank that no journal holds: the front-end of
+    `slot` builds it again from the step's journaled ingest batches (the scheduler keeps
+    how, `recipes.StepRecipe`) and checks it against `crc32c` and `size`, what the bytes
+    first served had. What the scheduler's journal names instead of the bytes."""
+
+    slot: str
+    crc32c: int
+    size: int
+
+
 class Refused(NamedTuple):
     """An input the scheduler refused (INVALID_ARGUMENT); the message names what."""
 
@@ -92,8 +103,11 @@ class StoreStepNote:
     step: int
     handles: list[HeldBy | StoredObject]  # per rank
     response_bytes: int
-    # Per rank: where the front-end journaled the response (empty: no journal).
+    # Per rank: where the front-end journaled the response (empty: not journaled).
     positions: list[int] = field(default_factory=list)
+    # Per rank: (CRC32C, size) of a response the journal does not hold (the step's work
+    # was `derivable`): a restart builds it again and checks it against these.
+    digests: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,9 @@ class StepWork:
     policy_versions: np.ndarray  # int64, per step rollout
     payloads: dict[int, Any]  # batch key -> payload handle of its TokenColumns
     record: StepRecord | None = None  # response_bytes still 0 (set by store_step)
+    # With a journal: the scheduler keeps what builds this step again from its journaled
+    # ingest batches, so the front-end journals a digest of each response, not its bytes.
+    derivable: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,9 @@ class SlotClaim:
     batches: list[int] = field(default_factory=list)  # journal positions
     steps: dict[int, list[int]] = field(default_factory=dict)  # step -> position per rank
     work: list[StepWork] = field(default_factory=list)
+    # Stored steps to build again from journaled batches (payload handles: JournalRefs,
+    # possibly of other slots), with the (CRC32C, size) each rank's bytes must have.
+    derive: list[tuple[StepWork, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 class IngestKind(str, Enum):

@@ -6,8 +6,8 @@ and reads it); every bytes handle is written as a journal reference. The keys, i
 "tasks", "pass_rates", "rng", "open", "complete", "closed", "rounds", "payloads" (the held
 ingest batches), "steps", "counts" (the scalar state, under the attribute names it had
 when this format was made: they are the format now), "acked_through", "done", "counters",
-"step_records", "last_reports", "trainer_policy_version". Changing any of them means a new
-`STATE_VERSION` and a reader for the old one.
+"step_records", "last_reports", "trainer_policy_version", and (the journaled scheduler's)
+"recipes". Changing any of them means a new `STATE_VERSION` and a reader for the old one.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from rlfeed.service.scheduler.records import Counters, StatusSnapshot, StepRecor
 from rlfeed.service.scheduler.steps import StepBook
 from rlfeed.service.scheduler.tasks import TaskPool
 
-STATE_VERSION = 2  # of this layout; 2 added "rounds"
-READS_STATE_VERSIONS = (1, STATE_VERSION)  # a version-1 snapshot restores with no rounds
+# Of this layout. 2 added "rounds"; 3 "recipes" and held steps' responses named as
+# Rederive maps (`journaled._ref`), not only as journal positions.
+STATE_VERSION = 3
+# A version-1 snapshot restores with no rounds, 1 and 2 with no recipes.
+READS_STATE_VERSIONS = (1, 2, STATE_VERSION)
 
 
 class Parts(NamedTuple):

@@ -34,7 +34,6 @@ from rlfeed.service.scheduler.records import (
     Counters,
     FetchResult,
     IngestResult,
-    JournalRef,
     SampleResult,
     StatusSnapshot,
     StepRecord,
@@ -266,14 +265,13 @@ class Scheduler:
 
     def claim_journaled(
         self, slot: str, frontend_id: str
-    ) -> tuple[list[int], dict[int, list[int]]]:
+    ) -> tuple[list[int], dict[int, list[Any]]]:
         """`slot`'s journal references become handles to `frontend_id`'s memory; returns
-        the positions it must load (`BatchTable.claim`, `StepBook.claim`)."""
+        the batch positions it must load and the references of the stored steps' responses
+        it must load or build (`BatchTable.claim`, `StepBook.claim`)."""
         return self._batches.claim(slot, frontend_id), self._steps.claim(slot, frontend_id)
 
-    def orphan_frontend(
-        self, frontend_id: str, slot: str, step_refs: dict[int, list[JournalRef]]
-    ) -> None:
+    def orphan_frontend(self, frontend_id: str, slot: str, step_refs: dict[int, list[Any]]) -> None:
         """Front-end `frontend_id` (journaling into `slot`) died: handles to its memory
         become journal references again (`BatchTable.orphan`, `StepBook.orphan`)."""
         self._batches.orphan(frontend_id, slot)

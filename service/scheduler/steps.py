@@ -18,7 +18,14 @@ from rlfeed.sched.assembly import TOKEN_BYTES, StepConfig, StepRollouts, assembl
 from rlfeed.service.config import BatchingConfig
 from rlfeed.service.scheduler.batches import BatchTable
 from rlfeed.service.scheduler.groups import BufferedRollout
-from rlfeed.service.scheduler.records import FetchResult, HeldBy, JournalRef, StepRecord, StepWork
+from rlfeed.service.scheduler.records import (
+    FetchResult,
+    HeldBy,
+    JournalRef,
+    Rederive,
+    StepRecord,
+    StepWork,
+)
 from rlfeed.service.scheduler.retention import StepRetention
 
 
@@ -255,18 +262,18 @@ class StepBook:
         held.responses = list(responses)
         return True
 
-    def claim(self, slot: str, frontend_id: str) -> dict[int, list[int]]:
-        """Every stored step journaled in `slot` is now held by `frontend_id`; returns
-        step -> the journal positions of its responses, per rank."""
+    def claim(self, slot: str, frontend_id: str) -> dict[int, list[JournalRef | Rederive]]:
+        """Every stored step whose responses `slot` keeps (journaled there, or built again
+        there) is now held by `frontend_id`; returns step -> those references, per rank."""
         steps = {}
         for step, held in self._steps.items():
             refs = held.responses or []
-            if refs and isinstance(refs[0], JournalRef) and refs[0].slot == slot:
-                steps[step] = [ref.position for ref in refs]
+            if refs and isinstance(refs[0], JournalRef | Rederive) and refs[0].slot == slot:
+                steps[step] = list(refs)
                 held.responses = [HeldBy(frontend_id)] * len(refs)
         return steps
 
-    def orphan(self, slot: str, step_refs: dict[int, list[JournalRef]]) -> None:
+    def orphan(self, slot: str, step_refs: dict[int, list[JournalRef | Rederive]]) -> None:
         """The front-end of `slot` died: each held step whose responses `step_refs` places
         in `slot` (step -> one reference per rank; also steps moved into the object store by
         the dead process, which owned those objects) is in its journal again (the inverse

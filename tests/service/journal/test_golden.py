@@ -26,7 +26,7 @@ from rlfeed.service.codec.materialize import materialize_work
 from rlfeed.service.codec.messages import status_to_proto
 from rlfeed.service.codec.rollout_batch import batch_meta, decode_batch
 from rlfeed.service.config import SidecarConfig, with_overrides
-from rlfeed.service.frontend.journaling import KIND_BATCH, KIND_RESPONSE, load_claim
+from rlfeed.service.frontend.journaling import KIND_BATCH, journal_step, load_claim
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal, JournalVersionError
 from rlfeed.service.scheduler.actor import SchedulerActor
@@ -73,12 +73,12 @@ class Resumed:
             raise
 
     def store(self, work: StepWork) -> None:
-        """The assembler's part: materialize, journal every rank's response, note it."""
+        """The assembler's part: materialize, journal what the note needs, note it."""
         responses = materialize_work(work, resolve=lambda handle: self.payloads.get(handle.key))
-        positions = self.journal.append_all(KIND_RESPONSE, responses)
+        positions, digests = journal_step(self.journal, work, responses)
         handles = [HeldBy(FRONTEND_ID)] * len(responses)
         size = sum(map(len, responses))
-        self.actor.apply_notes([StoreStepNote(work.step, handles, size, positions)])
+        self.actor.apply_notes([StoreStepNote(work.step, handles, size, positions, digests)])
         self.responses.put(work.step, responses)
 
     def status(self) -> dict:
@@ -204,9 +204,12 @@ def _bump_snapshot_format(snapshot: Path) -> None:
 
 
 def _bump_state_version(snapshot: Path) -> int:
+    """The snapshot's state version set to one past the newest this rlfeed reads."""
+    from rlfeed.service.scheduler.snapshot import READS_STATE_VERSIONS
+
     data = bytearray(snapshot.read_bytes())
     body = msgpack.unpackb(bytes(data[32:]), raw=False, strict_map_key=False)
-    body["version"] += 1
+    body["version"] = max(READS_STATE_VERSIONS) + 1
     packed = msgpack.packb(body, use_bin_type=True)
     struct.pack_into("<Q", data, 20, len(packed))
     head = bytes(data[:28])
@@ -215,9 +218,12 @@ def _bump_state_version(snapshot: Path) -> int:
 
 
 def _bump_call_format(directory: Path, after: int) -> int:
-    """The first scheduler record past position `after`: [version, method, ...] with
-    version + 1 (same length), both record CRCs made good. Record header: magic 4s,
-    header CRC u32 (of the next 20 bytes), length u32, payload CRC u32, seq u64, kind u8, 3x."""
+    """The first scheduler record past position `after`: [version, method, ...] with the
+    version one past the newest this rlfeed reads (same length), both record CRCs made
+    good. Record header: magic 4s, header CRC u32 (of the next 20 bytes), length u32,
+    payload CRC u32, seq u64, kind u8, 3x."""
+    from rlfeed.service.scheduler.journaled import READS_CALL_FORMATS
+
     for segment in sorted(directory.glob("*.seg")):
         data = bytearray(segment.read_bytes())
         offset = 24
@@ -226,7 +232,7 @@ def _bump_call_format(directory: Path, after: int) -> int:
             start = offset + 28
             if seq > after:
                 record = msgpack.unpackb(bytes(data[start : start + length]), raw=False)
-                record[0] += 1
+                record[0] = max(READS_CALL_FORMATS) + 1
                 payload = msgpack.packb(record, use_bin_type=True)
                 assert len(payload) == length
                 data[start : start + length] = payload
@@ -285,4 +291,4 @@ def test_a_scheduler_call_of_another_format_version_is_refused_naming_both(golde
     found = _bump_call_format(golden / "scheduler", after=position)
     error = _refusal(golden)
     assert (error.what, error.found) == ("scheduler call format", found)
-    assert f"reads scheduler call format version {found - 1}" in str(error)
+    assert str(_expected(golden)["versions"]["call"]) in str(error).split("this rlfeed reads")[1]

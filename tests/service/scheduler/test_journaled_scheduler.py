@@ -143,7 +143,8 @@ def test_recovery_names_stored_steps_and_buffered_batches_by_journal_position(tm
     rebuilt = JournaledScheduler(config, tmp_path, _ref_of)
     batches, steps = rebuilt.claim_journaled(SLOT, "new-front-end")
     assert stored and set(steps) == set(stored)  # every step still held, and no other
-    assert all(p == [10_000 + s * 2, 10_000 + s * 2 + 1] for s, p in steps.items())
+    positions = {step: [ref.position for ref in refs] for step, refs in steps.items()}
+    assert all(p == [10_000 + s * 2, 10_000 + s * 2 + 1] for s, p in positions.items())
     assert batches == sorted(batches) and (batches or held.buffered_rollouts == 0)
     assert rebuilt.claim_journaled(SLOT, "new-front-end") == ([], {})  # claimed once
     rebuilt.close()
@@ -258,7 +259,7 @@ def test_a_snapshot_from_before_rounds_is_read_its_groups_stepping_as_fallback(
     journaled.close()
     store = SnapshotStore(tmp_path / SCHEDULER_SLOT, config.journal)
     snapshot = store.load_latest()
-    assert snapshot.version == STATE_VERSION == 2 and snapshot.state["rounds"] == [[2, 0]]
+    assert snapshot.version == STATE_VERSION == 3 and snapshot.state["rounds"] == [[2, 0]]
     del snapshot.state["rounds"]
     store.write(snapshot.position, 1, snapshot.state)
 

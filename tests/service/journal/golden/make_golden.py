@@ -8,7 +8,8 @@ The run goes through the pieces a sidecar is made of, in one process and in a fi
 (no Ray, no gRPC, no threads, so the bytes are the same every time): a `SchedulerActor`
 body with its `JournaledScheduler`, and one front-end's part done by the front-end's own
 functions: decode and validate a batch, journal it (kind 1) in `frontend-0/`, hand the
-actor its metadata, materialize the steps it plans, journal every rank's response (kind 2)
+actor its metadata, materialize the steps it plans, journal what the step's store note
+needs (`journal_step`: each rank's digest; call format 1 journaled the responses, kind 2)
 and note the step stored, note first fetches, delete the segments nothing needs
 (`SlotRetention`). Tasks are registered and sampled, both ranks fetch, ack and report a
 policy version, one batch is resent and one refused; a snapshot is written mid-run and
@@ -38,7 +39,7 @@ from rlfeed.service.codec.materialize import materialize_work
 from rlfeed.service.codec.messages import status_to_proto
 from rlfeed.service.codec.rollout_batch import batch_meta, decode_batch, validate_batch
 from rlfeed.service.config import SidecarConfig, with_overrides
-from rlfeed.service.frontend.journaling import KIND_BATCH, KIND_RESPONSE, SlotRetention
+from rlfeed.service.frontend.journaling import KIND_BATCH, SlotRetention, journal_step
 from rlfeed.service.journal import Journal
 from rlfeed.service.journal.records import FORMAT_VERSION
 from rlfeed.service.journal.snapshot import SNAPSHOT_FORMAT_VERSION
@@ -123,11 +124,10 @@ class GoldenRun:
         for work in reply.work:  # the assembler's part
             responses = materialize_work(work, resolve=lambda handle: self.columns[handle.key])
             with self.retention.appending():
-                positions = self.journal.append_all(KIND_RESPONSE, responses)
+                positions, digests = journal_step(self.journal, work, responses)
                 size = sum(map(len, responses))
-                self.notes.append(
-                    StoreStepNote(work.step, [HeldBy(FRONTEND_ID)] * 2, size, positions)
-                )
+                handles = [HeldBy(FRONTEND_ID)] * 2
+                self.notes.append(StoreStepNote(work.step, handles, size, positions, digests))
             self.responses[work.step] = responses
         return reply.result
 
