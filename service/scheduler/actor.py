@@ -110,17 +110,10 @@ class SchedulerActor:
         it must load those positions before it serves them."""
         if not isinstance(self._scheduler, JournaledScheduler):
             return SlotClaim()
-        batches, step_refs = self._scheduler.claim_journaled(slot, frontend_id)
+        claim = self._scheduler.claim_slot(slot, frontend_id)
         work = self._registry.claim(slot, frontend_id, self._recovered_work, self._scheduler)
         self._recovered_work = []
-        steps, derive = {}, []
-        for step, refs in sorted(step_refs.items()):
-            if isinstance(refs[0], Rederive):
-                recipe = self._scheduler.recipe(step)
-                derive.append((recipe, [(ref.crc32c, ref.size) for ref in refs]))
-            else:
-                steps[step] = [ref.position for ref in refs]
-        return SlotClaim(batches=batches, steps=steps, work=work, derive=derive)
+        return replace(claim, work=work)
 
     def orphan_slot(self, slot: str) -> list[str]:
         """The front-end serving `slot` died (its process exited without handing over):

@@ -45,6 +45,7 @@ from rlfeed.service.scheduler.records import (
     JournalRef,
     Rederive,
     SampleResult,
+    SlotClaim,
     StepRecord,
     StepWork,
 )
@@ -170,6 +171,19 @@ class JournaledScheduler(Scheduler):
             )
         positions.extend(self._recipes.positions(slot, held))
         return min(positions, default=None)
+
+    def claim_slot(self, slot: str, frontend_id: str) -> SlotClaim:
+        """`claim_journaled` for the front-end: batches to load, stored steps to load (by
+        position) or to build (by recipe, with the digests to check)."""
+        batches, step_refs = self.claim_journaled(slot, frontend_id)
+        claim = SlotClaim(batches=batches)
+        for step, refs in sorted(step_refs.items()):
+            if isinstance(refs[0], Rederive):
+                digests = [(ref.crc32c, ref.size) for ref in refs]
+                claim.derive.append((self._recipes.get(step), digests))
+            else:
+                claim.steps[step] = [ref.position for ref in refs]
+        return claim
 
     def recipe(self, step: int) -> StepWork | None:
         """How a held step named by `Rederive`s is built again (batches as JournalRefs)."""

@@ -422,6 +422,7 @@ def run_e2e(case: Case, options: Options) -> dict:
         for _ in processes:
             results.get(timeout=300)  # ready
         cpu_before = cpu_snapshot() if options.cpu else {}
+        io_before = journal_io(sidecar.actor) if journal_dir else (0, 0)
         started = time.perf_counter()
         go.set()
         ends, policy_tokens, producer_seconds = [], 0, []
@@ -433,6 +434,7 @@ def run_e2e(case: Case, options: Options) -> dict:
             else:
                 producer_seconds.append(value)
         seconds = max(ends) - started
+        io_after = journal_io(sidecar.actor) if journal_dir else (0, 0)
         if replicas > 1:  # the other front-ends' hooks ran elsewhere: sizes from the actor
             records = []
             for _ in range(600):  # the last steps' store notes may still be on their way
@@ -468,7 +470,25 @@ def run_e2e(case: Case, options: Options) -> dict:
         "seconds": seconds,
         "served_sizes": list(served.sizes),
         "producer_seconds": max(producer_seconds),
+        "journal_bytes": io_after[0] - io_before[0],
+        "journal_syncs": io_after[1] - io_before[1],
     }
+
+
+def _process_journal_io(_actor=None) -> tuple[int, int]:
+    from rlfeed.service.journal.files import JOURNAL_IO
+
+    return JOURNAL_IO.bytes_written, JOURNAL_IO.syncs
+
+
+def journal_io(actor) -> tuple[int, int]:
+    """(bytes written, syncs) so far by the journals of this process (the front-end) and
+    of the scheduler actor's (the replicas' processes, with --replicas, are not counted)."""
+    import ray
+
+    here = _process_journal_io()
+    there = ray.get(actor.__ray_call__.remote(_process_journal_io))
+    return here[0] + there[0], here[1] + there[1]
 
 
 # -- raw baseline -------------------------------------------------------------------------
@@ -749,6 +769,12 @@ def report(case: Case, e2e: dict, sink_seconds: float, source_seconds: float):
         f"  raw gRPC stream  {raw_seconds:8.2f} s   in {rate_in:9.1f} MiB/s, out {rate_out:9.1f} "
         f"MiB/s, same bytes {moved / mib / raw_seconds:9.1f} MiB/s"
     )
+    if e2e["journal_bytes"]:
+        print(
+            f"  journal          {e2e['journal_bytes'] / mib:8.1f} MiB written = "
+            f"{e2e['journal_bytes'] / e2e['ingest_bytes']:.3f} per acknowledged ingest byte; "
+            f"{e2e['journal_syncs']} syncs ({e2e['journal_syncs'] / seconds:,.0f}/s)"
+        )
     print(f"  ratio            e2e / raw bytes rate = {raw_seconds / seconds:.1%}", flush=True)
     return raw_seconds / seconds, case.rollouts / seconds
 
