@@ -28,11 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlfeed.service.config.journal import JournalConfig
-from rlfeed.service.journal.errors import (
-    JournalClosedError,
-    JournalRangeError,
-    JournalWriteError,
-)
+from rlfeed.service.journal.durability import Durability
+from rlfeed.service.journal.errors import JournalRangeError
 from rlfeed.service.journal.files import (
     DirectoryLock,
     make_private_directory,
@@ -82,17 +79,8 @@ class Journal:
         self._fd = os.open(segments[-1].path, os.O_WRONLY)
         os.lseek(self._fd, tail_bytes, os.SEEK_SET)
         self._write_lock = threading.Lock()  # the file, its size, the segment list, next_seq
-        self._sync_cond = threading.Condition()  # _durable_seq, _syncing, _failure
-        self._durable_seq = next_seq - 1
-        self._syncing = False
-        self._failure: BaseException | None = None  # closed: for good
-        # A failed write or fsync (healed by a later append), when, and how many heals
-        # so far (records written before one are never marked durable after it).
-        self._fault: OSError | None = None
-        self._fault_at = 0.0
-        self._epoch = 0
+        self._durability = Durability(directory, next_seq - 1)  # what appenders wait on
         self._durable_bytes = tail_bytes  # end of the durable records of the newest segment
-        self.retry_after_s = 0.5  # an append heals a faulted journal at most this often
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], config: JournalConfig) -> Journal:
@@ -128,12 +116,21 @@ class Journal:
     @property
     def fault(self) -> OSError | None:
         """The failed write or fsync that appends now wait out (None: appends work)."""
-        return self._fault
+        return self._durability.fault
 
     @property
     def durable_position(self) -> int:
         """Every record up to this position is on stable storage."""
-        return self._durable_seq
+        return self._durability.position
+
+    @property
+    def retry_after_s(self) -> float:
+        """An append heals a faulted journal at most this often (seconds; 0.5)."""
+        return self._durability.retry_after_s
+
+    @retry_after_s.setter
+    def retry_after_s(self, seconds: float) -> None:
+        self._durability.retry_after_s = seconds
 
     def append(self, kind: int, payload: bytes) -> int:
         """Append one record of `kind` (1..255); return its position once durable per policy.
@@ -160,7 +157,7 @@ class Journal:
         if self.config.sync == "group" and written:
             self._wait_durable(*written[-1])
         if len({epoch for _, epoch in written}) > 1:  # healed in between: the first ones went
-            raise JournalWriteError(self.directory, self._fault or OSError(), self.retry_after_s)
+            raise self._durability.write_error()
         return [position for position, _ in written]
 
     def _write(self, kind: int, payload: bytes, payload_crc: int) -> tuple[int, int]:
@@ -178,19 +175,19 @@ class Journal:
                 if self.config.sync == "always":
                     sync_fd(self._fd)
             except OSError as error:
-                raise self._faulted(error) from error
+                raise self._durability.faulted(error) from error
             self._segment_bytes += record_bytes
             self._next_seq = seq + 1
             if self.config.sync == "always":
                 self._durable_bytes = self._segment_bytes
-                self._mark_durable(seq)
-            return seq, self._epoch
+                self._durability.mark(seq)
+            return seq, self._durability.epoch
 
     def sync(self) -> int:
         """Make every record written so far durable, whatever the policy; return its position."""
         with self._write_lock:
             self._check_writable()
-            target, epoch = self._next_seq - 1, self._epoch
+            target, epoch = self._next_seq - 1, self._durability.epoch
         self._wait_durable(target, epoch)
         return target
 
@@ -202,7 +199,7 @@ class Journal:
         a record fails its checks: what it yields is always gap-free and verified.
         """
         with self._write_lock:
-            self._check_open()
+            self._durability.check_open()
             segments = list(self._segments)
             last = self._next_seq - 1
         if position < segments[0].base_seq - 1:
@@ -220,7 +217,7 @@ class Journal:
         the oldest kept snapshot's position + 1, never more.
         """
         with self._write_lock:
-            self._check_open()
+            self._durability.check_open()
             victims: list[Segment] = []
             for segment, following in zip(self._segments, self._segments[1:], strict=False):
                 if following.base_seq - 1 >= position:
@@ -235,20 +232,19 @@ class Journal:
         with self._write_lock:
             if self._fd < 0:
                 return
+            durability = self._durability
             try:
-                if self._failure is None and self._fault is None:
+                if durability.failure is None and durability.fault is None:
                     sync_fd(self._fd)
-                    self._mark_durable(self._next_seq - 1)
-                elif self._fault is not None:  # best effort: leave only what is durable
+                    durability.mark(self._next_seq - 1)
+                elif durability.fault is not None:  # best effort: leave only what is durable
                     with contextlib.suppress(OSError):
                         self._cut_to_durable()
             finally:
                 os.close(self._fd)
                 self._fd = -1
                 self._lock_file.release()
-                with self._sync_cond:
-                    self._failure = self._failure or JournalClosedError("journal is closed")
-                    self._sync_cond.notify_all()
+                durability.close()
 
     def __enter__(self) -> Journal:
         return self
@@ -258,49 +254,35 @@ class Journal:
 
     # --- internals (called with _write_lock held unless said otherwise) ---
 
-    def _check_open(self) -> None:
-        if self._failure is not None:
-            raise JournalClosedError(str(self._failure)) from self._failure
-
     def _check_writable(self) -> None:
-        """`_check_open`; with a fault, heal if `retry_after_s` passed, else raise it."""
-        self._check_open()
-        if self._fault is None:
+        """Open, and not faulted: with a fault, heal if `retry_after_s` passed, else raise it."""
+        durability = self._durability
+        durability.check_open()
+        if durability.fault is None:
             return
-        if time.monotonic() - self._fault_at < self.retry_after_s:
-            raise JournalWriteError(self.directory, self._fault, self.retry_after_s)
+        durability.check_retry_due()
         try:
             self._cut_to_durable()
             sync_fd(self._fd)
         except OSError as error:
-            raise self._faulted(error) from error
-        with self._sync_cond:
-            self._fault = None
-            self._sync_cond.notify_all()
+            raise durability.faulted(error) from error
+        durability.healed()
 
     def _cut_to_durable(self) -> None:
         """Cut what a failure left unacknowledged: after the last durable record (sync
         "none": after the last whole one, which its appends acknowledged); a new epoch."""
         if self.config.sync != "none":
             self._segment_bytes = self._durable_bytes
-            self._next_seq = self._durable_seq + 1
+            self._next_seq = self._durability.position + 1
         os.ftruncate(self._fd, self._segment_bytes)
         os.lseek(self._fd, self._segment_bytes, os.SEEK_SET)
-        self._epoch += 1
-
-    def _faulted(self, error: OSError) -> JournalWriteError:
-        """Note a failed write or fsync (waiters of records not durable fail); the error
-        to raise."""
-        with self._sync_cond:
-            self._fault, self._fault_at = error, time.monotonic()
-            self._sync_cond.notify_all()
-        return JournalWriteError(self.directory, error, self.retry_after_s)
+        self._durability.epoch += 1
 
     def _roll(self) -> None:
         """Close the full segment (synced: only the newest may hold a torn write), start one."""
         sync_fd(self._fd)
         self._durable_bytes = self._segment_bytes
-        self._mark_durable(self._next_seq - 1)
+        self._durability.mark(self._next_seq - 1)
         path = segment_path(self.directory, self._next_seq)
         try:
             segment = create_segment(self.directory, self._next_seq)
@@ -315,11 +297,6 @@ class Journal:
         self._durable_bytes = FILE_HEADER_BYTES
         self._segments.append(segment)
 
-    def _mark_durable(self, seq: int) -> None:
-        with self._sync_cond:
-            self._durable_seq = max(self._durable_seq, seq)
-            self._sync_cond.notify_all()
-
     def _wait_durable(self, seq: int, epoch: int) -> None:
         """Return once record `seq`, written in `epoch`, is durable (called without
         _write_lock); JournalWriteError if a failure came first.
@@ -328,33 +305,18 @@ class Journal:
         so more appends can join, then fsyncs everything written so far; the others wait
         for it. One fsync thus covers every record written before it started.
         """
-        with self._sync_cond:
-            while True:
-                if epoch != self._epoch:  # healed since: the record was cut
-                    raise JournalWriteError(
-                        self.directory, self._fault or OSError(), self.retry_after_s
-                    )
-                if self._durable_seq >= seq:
-                    return
-                if self._failure is not None:
-                    raise JournalClosedError(str(self._failure)) from self._failure
-                if self._fault is not None:
-                    raise JournalWriteError(self.directory, self._fault, self.retry_after_s)
-                if not self._syncing:
-                    self._syncing = True
-                    break
-                self._sync_cond.wait()
+        durability = self._durability
+        if not durability.lead_or_wait(seq, epoch):
+            return
         try:
             if self.config.group_commit_window_seconds > 0:
                 time.sleep(self.config.group_commit_window_seconds)
             with self._write_lock:
-                if self._durable_seq >= seq:  # close() synced it meanwhile
+                if durability.position >= seq:  # close() synced it meanwhile
                     return
-                self._check_open()
-                if self._fault is not None or epoch != self._epoch:
-                    raise JournalWriteError(
-                        self.directory, self._fault or OSError(), self.retry_after_s
-                    )
+                durability.check_open()
+                if durability.fault is not None or epoch != durability.epoch:
+                    raise durability.write_error()
                 target, size, segments = (
                     self._next_seq - 1,
                     self._segment_bytes,
@@ -364,15 +326,13 @@ class Journal:
             try:
                 sync_fd(fd)
             except OSError as error:
-                raise self._faulted(error) from error
+                raise durability.faulted(error) from error
             finally:
                 os.close(fd)
             with self._write_lock:
-                if epoch == self._epoch:  # what the fsync covered is durable, fault or not
+                if epoch == durability.epoch:  # what the fsync covered is durable, fault or not
                     if segments == len(self._segments):  # else a roll synced it all
                         self._durable_bytes = max(self._durable_bytes, size)
-                    self._mark_durable(target)
+                    durability.mark(target)
         finally:
-            with self._sync_cond:
-                self._syncing = False
-                self._sync_cond.notify_all()
+            durability.done_leading()
