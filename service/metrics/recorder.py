@@ -3,10 +3,11 @@
 `SidecarMetrics` owns a private registry (never the global one, so two sidecars or a test
 share a process) and update methods that take plain values and the scheduler's records; it
 imports neither gRPC nor Ray and starts nothing. Declarations are in `families`, per-step
-figures and their GPU-time price in `figures`, the front-end hooks and the HTTP endpoint in
-`exporter` and `http`. No label carries a task, group or rollout id. What each figure means
-is in its metric's help text and in `figures`; step latency runs from `ready_time` (the
-step's last group complete) to its last rank's first fetch.
+figures and their GPU-time price in `figures`, the /layout.png picture in `newest_layout`,
+the front-end hooks and the HTTP endpoint in `exporter` and `http`. No label carries a
+task, group or rollout id. What each figure means is in its metric's help text and in
+`figures`; step latency runs from `ready_time` (the step's last group complete) to its
+last rank's first fetch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rlfeed.service.metrics.families import (
     MetricFamilies,
 )
 from rlfeed.service.metrics.figures import StepFigures, StepPrice, price_step
+from rlfeed.service.metrics.newest_layout import NewestLayout
 
 if TYPE_CHECKING:
     from rlfeed.service.config import SidecarConfig
@@ -107,7 +109,7 @@ class SidecarMetrics:
             self.config.accounting, self.config.zero_advantage_window_steps
         )
         self.registry = self.families.registry
-        self.families.vocab_size.set(self.config.vocab_size)
+        self.families.ingest.vocab_size.set(self.config.vocab_size)
         self._lock = threading.Lock()
         self._zero_window: deque[tuple[int, int]] = deque(
             maxlen=self.config.zero_advantage_window_steps
@@ -117,12 +119,9 @@ class SidecarMetrics:
         self._ready_time: dict[int, float] = {}  # assembled, not fully served -> ready_time
         self._fetched: dict[int, set[int]] = {}  # step -> ranks that fetched it
         self._served: deque[int] = deque(maxlen=self.config.max_tracked_steps)
-        self._responses: dict[int, dict[int, Any]] = {}  # step -> rank -> response, for layout
         self._saved_rollouts = 0
         self._rollouts_requested = 0
-        self._layout: tuple[int, Any] | None = None  # (step, StepLayout or callable)
-        self._layout_png: tuple[int, bytes] | None = None
-        self._render_lock = threading.Lock()
+        self._layout = NewestLayout(self.config.world_size, self.config.token_budget)
         self._refresh: Callable[[], None] | None = None
         self._refreshed_at = float("-inf")
 
@@ -142,8 +141,8 @@ class SidecarMetrics:
         newest_policy_version: int | None = None,
     ) -> None:
         """One acknowledged batch (the numbers of its SubmitAck, plus timing)."""
-        m = self.families
-        m.ingest_batches.inc()
+        m = self.families.ingest
+        m.batches.inc()
         m.rollouts_accepted.inc(accepted)
         if accepted_tokens is not None:
             m.tokens_accepted.inc(accepted_tokens)
@@ -162,24 +161,25 @@ class SidecarMetrics:
     def on_reject(self, reason: str, rollouts: int, tokens: int = 0) -> None:
         """One refused batch. A full buffer ("buffer_full") is backpressure, counted apart
         from the rejections; another `reason` outside REJECT_REASONS counts as "other"."""
+        m = self.families.ingest
         if reason == RejectReason.BUFFER_FULL.value:
-            self.families.batches_backpressured.inc()
+            m.batches_backpressured.inc()
             return
         reason = reason if reason in REJECT_REASONS else "other"
-        self.families.batches_rejected.labels(reason=reason).inc()
-        self.families.rollouts_rejected.labels(reason=reason).inc(rollouts)
-        self.families.tokens_rejected.labels(reason=reason).inc(tokens)
+        m.batches_rejected.labels(reason=reason).inc()
+        m.rollouts_rejected.labels(reason=reason).inc(rollouts)
+        m.tokens_rejected.labels(reason=reason).inc(tokens)
 
     def on_stale(self, *, rollouts: int, tokens: int = 0) -> None:
         """Rollouts dropped for max_policy_lag (at ingest or when their group went stale)."""
-        self.families.rollouts_stale.inc(rollouts)
-        self.families.tokens_stale.inc(tokens)
+        self.families.ingest.rollouts_stale.inc(rollouts)
+        self.families.ingest.tokens_stale.inc(tokens)
 
     def on_status(self, snapshot: Any, pass_rates: ArrayLike | None = None) -> None:
         """Levels from a `service.scheduler.StatusSnapshot` (or a proto StatusResponse):
         buffer, filter sizes, newest and trainer's policy versions; `pass_rates` [T] if
         known."""
-        m = self.families
+        m = self.families.ingest
         m.buffered_rollouts.set(snapshot.buffered_rollouts)
         m.buffered_bytes.set(snapshot.buffered_bytes)
         m.held_bytes.set(snapshot.held_bytes)
@@ -220,7 +220,7 @@ class SidecarMetrics:
         groups, zero = figures.groups_considered, figures.zero_advantage_groups_considered
         with self._lock:
             self._zero_window.append((groups, zero))
-            self.families.window_zero_share.set(
+            self.families.curriculum.window_zero_share.set(
                 share(sum(z for _, z in self._zero_window), sum(g for g, _ in self._zero_window))
             )
             self._newest_step = max(self._newest_step, record.step)
@@ -229,7 +229,7 @@ class SidecarMetrics:
                 if ready_time is not None:
                     self._ready_time[record.step] = ready_time
             if layout is not None:
-                self._set_layout(record.step, layout)
+                self._layout.set(record.step, layout)
             self._forget_old_steps()
             self._update_progress()
 
@@ -248,7 +248,7 @@ class SidecarMetrics:
         `latency_seconds`, or else `now` (time.time()) minus the step's ready_time."""
         if not 0 <= rank < self.config.world_size:
             raise ValueError(f"rank {rank} outside [0, {self.config.world_size})")
-        m = self.families
+        m = self.families.serving
         with self._lock:
             if step in self._served or rank in self._fetched.get(step, ()):
                 m.batch_refetches.inc()
@@ -257,8 +257,8 @@ class SidecarMetrics:
             ranks = self._fetched.setdefault(step, set())
             ranks.add(rank)
             self._last_fetched[rank] = max(self._last_fetched[rank], step)
-            if response is not None and step >= self._newest_layout_step():
-                self._responses.setdefault(step, {})[rank] = response
+            if response is not None:
+                self._layout.add_response(step, rank, response)
             if len(ranks) == self.config.world_size:
                 del self._fetched[step]
                 self._served.append(step)
@@ -268,33 +268,22 @@ class SidecarMetrics:
                     latency_seconds = (time.time() if now is None else now) - ready
                 if latency_seconds is not None:
                     m.step_latency.observe(max(latency_seconds, 0.0))
-                responses = self._responses.pop(step, {})
-                if len(responses) == self.config.world_size:
-                    self._set_layout(step, _ResponsesLayout(responses, self.config.token_budget))
+                self._layout.served(step)
             self._forget_old_steps()
             self._update_progress()
-
-    def _newest_layout_step(self) -> int:
-        return self._layout[0] if self._layout is not None else -1
-
-    def _set_layout(self, step: int, source: Any) -> None:
-        if step >= self._newest_layout_step():
-            self._layout, self._layout_png = (step, source), None
-            for old in [s for s in self._responses if s <= step]:
-                del self._responses[old]
 
     def _forget_old_steps(self) -> None:
         limit = self.config.max_tracked_steps
         for table in (self._fetched, self._ready_time):
             while len(table) > limit:
                 del table[min(table)]
-        while len(self._responses) > 2:  # memory: only the newest steps' responses
-            del self._responses[min(self._responses)]
+        self._layout.forget_old()
 
     def _update_progress(self) -> None:
+        serving = self.families.serving
         if self._newest_step >= 0:
-            self.families.trainer_lag.set(self._newest_step - min(self._last_fetched))
-        self.families.steps_waiting.set(sum(1 for s in self._fetched if s <= self._newest_step))
+            serving.trainer_lag.set(self._newest_step - min(self._last_fetched))
+        serving.steps_waiting.set(sum(1 for s in self._fetched if s <= self._newest_step))
 
     # ---------------------------------------------------------------- curriculum
     def on_task_sample(
@@ -304,7 +293,7 @@ class SidecarMetrics:
         back, `revisits` of them from outside the filter."""
         if not 0 <= revisits <= returned:
             raise ValueError(f"revisits ({revisits}) must be in [0, returned={returned}]")
-        m = self.families
+        m = self.families.curriculum
         m.sample_requests.inc()
         m.tasks_requested.inc(requested)
         m.tasks_sampled.inc(returned)
@@ -324,13 +313,12 @@ class SidecarMetrics:
     ) -> None:
         """The curriculum now: filter sizes and (optionally) every task's estimate [T], of
         which only the bucket counts are kept."""
-        self.families.tasks.labels(filter="inside").set(tasks_inside)
-        self.families.tasks.labels(filter="outside").set(tasks_outside)
+        m = self.families.curriculum
+        m.tasks.labels(filter="inside").set(tasks_inside)
+        m.tasks.labels(filter="outside").set(tasks_outside)
         if pass_rates is not None:
             rates = np.asarray(pass_rates, dtype=np.float64).ravel()
-            self.families.pass_rates.update(
-                pass_rate_bucket_counts(rates), int(rates.size), float(rates.sum())
-            )
+            m.pass_rates.update(pass_rate_bucket_counts(rates), int(rates.size), float(rates.sum()))
 
     # ---------------------------------------------------------------- trainers
     def on_trainer_report(
@@ -348,14 +336,14 @@ class SidecarMetrics:
         trainers measure at their first step only) leaves its gauge as it was."""
         if not 0 <= rank < self.config.world_size:
             raise ValueError(f"rank {rank} outside [0, {self.config.world_size})")
-        m, label = self.families, str(rank)
-        m.trainer_reports.inc()
-        m.trainer_step.labels(rank=label).set(step)
+        m, label = self.families.trainers, str(rank)
+        m.reports.inc()
+        m.step.labels(rank=label).set(step)
         for gauge, value in (
-            (m.trainer_loss, loss),
-            (m.trainer_outliers, ratio_outlier_share),
-            (m.trainer_tps, tokens_per_second),
-            (m.trainer_step_seconds, step_seconds),
+            (m.loss, loss),
+            (m.outliers, ratio_outlier_share),
+            (m.tokens_per_second, tokens_per_second),
+            (m.step_seconds, step_seconds),
         ):
             if value is not None and math.isfinite(value):
                 gauge.labels(rank=label).set(value)
@@ -381,37 +369,7 @@ class SidecarMetrics:
     def latest_layout_png(self) -> tuple[int, bytes] | None:
         """(step, PNG) of the newest step with a layout, rendered on first request and
         cached; None when there is none. Raises ImportError without matplotlib."""
-        with self._lock:
-            latest, cached = self._layout, self._layout_png
-        if latest is None:
-            return None
-        step, source = latest
-        if cached is not None and cached[0] == step:
-            return cached
-        from rlfeed.service.metrics.layout_plot import StepLayout, render_layout
-
-        with self._render_lock:  # one render at a time; matplotlib is not free
-            layout = source if isinstance(source, StepLayout) else source()
-            if layout is None:
-                return None
-            png = (step, render_layout(layout))
-        with self._lock:
-            if self._layout is not None and self._layout[0] == step:
-                self._layout_png = png
-        return png
-
-
-class _ResponsesLayout:
-    """A lazy layout source: every rank's GetBatchResponse of one step."""
-
-    def __init__(self, responses: dict[int, Any], token_budget: int) -> None:
-        self.responses = [responses[rank] for rank in sorted(responses)]
-        self.token_budget = token_budget
-
-    def __call__(self) -> StepLayout:
-        from rlfeed.service.metrics.layout_plot import layout_from_batch_responses
-
-        return layout_from_batch_responses(self.responses, token_budget=self.token_budget)
+        return self._layout.png()
 
 
 __all__: Sequence[str] = (
