@@ -8,8 +8,8 @@
 
 A step is fetched with `GetBatch(step, rank)` and decoded once (`arrow_codec.decode_step`:
 tensors alias the Arrow buffers). While the trainer works on step s, a background thread
-fetches steps s+1 .. s+prefetch; it starts at the first `iter()`, never at import or
-construction, and `close()` (or leaving the `with` block) stops it.
+(`client/prefetch.py`) fetches steps s+1 .. s+prefetch; it starts at the first `iter()`,
+never at import or construction, and `close()` (or leaving the `with` block) stops it.
 
 Acknowledging: when the loop asks for step s + 1, this rank is done with step s (the
 user's optimizer stepped on it), and the loader tells the sidecar (`AckSteps`, `ack()`).
@@ -50,9 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
+from rlfeed.client.prefetch import Prefetcher, PrefetchStopped
 from rlfeed.client.retry import TRANSIENT_CODES, RetryPolicy
 from rlfeed.client.transport import (
     BufferFullError,
@@ -210,7 +209,7 @@ class BatchLoader:
         self.address = address_of(self._transport)
         self._retry = RetryPolicy(self.address, connect_timeout_s, reconnect_timeout_s)
         self._next_step = start_step
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: Prefetcher[TrainStep] | None = None
         self._declared = False  # told the sidecar this rank acknowledges (first fetch)
 
     # -- iteration ------------------------------------------------------------------------
@@ -220,7 +219,7 @@ class BatchLoader:
         while self.stop_step is None or self._next_step < self.stop_step:
             if self.prefetch and self._prefetcher is None:
                 # (Re)started here, so load_state_dict() mid-iteration simply moves on.
-                self._prefetcher = _Prefetcher(self, self._next_step, self.prefetch)
+                self._prefetcher = Prefetcher(self, self._next_step, self.prefetch)
             prefetcher = self._prefetcher
             step = prefetcher.take() if prefetcher is not None else self.fetch(self._next_step)
             self._next_step = step.step + 1
@@ -264,7 +263,7 @@ class BatchLoader:
                 if not (busy and time.monotonic() < deadline):
                     outage.failed(exc)  # re-raises anything else, and a lasting outage
                 if self._prefetcher is not None and self._prefetcher.stopping:
-                    raise _Stopped from None
+                    raise PrefetchStopped from None
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
                 continue
             outage.succeeded()
@@ -279,7 +278,7 @@ class BatchLoader:
                 warned = now
                 self._still_waiting(step, now - started)
             if self._prefetcher is not None and self._prefetcher.stopping:
-                raise _Stopped
+                raise PrefetchStopped
 
     def _still_waiting(self, step: int, waited_s: float) -> None:
         _log.warning(
@@ -410,54 +409,3 @@ class BatchLoader:
         if self._prefetcher is not None:
             self._prefetcher.stop()
             self._prefetcher = None
-
-
-class _Stopped(Exception):
-    """Raised inside the prefetch thread to abandon a wait when the loader stops it."""
-
-
-class _Prefetcher:
-    """A thread fetching steps first_step, first_step + 1, ... at most `depth` ahead of
-    what the consumer has taken."""
-
-    def __init__(self, loader: BatchLoader, first_step: int, depth: int) -> None:
-        self._loader = loader
-        self._next = first_step
-        self._slots = threading.Semaphore(depth)
-        self._ready: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rlfeed-batch-prefetch", daemon=True)
-        self._thread.start()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def _run(self) -> None:
-        while True:
-            self._slots.acquire()
-            if self._stop.is_set() or (
-                self._loader.stop_step is not None and self._next >= self._loader.stop_step
-            ):
-                return
-            try:
-                item: Any = self._loader.fetch(self._next)
-            except _Stopped:
-                return
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                self._ready.put(exc)
-                return
-            self._ready.put(item)
-            self._next += 1
-
-    def take(self) -> TrainStep:
-        item = self._ready.get()
-        self._slots.release()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._slots.release()  # wake a thread waiting for a slot
-        self._thread.join()
