@@ -106,6 +106,8 @@ class DriverLeaseActor:
 
 
 def _restarted_actor() -> bool:
+    if not ray.is_initialized():  # a plain object (tests): asking would start a Ray
+        return False
     context = ray.get_runtime_context()
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
 

@@ -7,13 +7,17 @@ shut down at the end). Each test names its sidecar with a `[ray] namespace` of i
   same config adopts the same actors (same ids) instead of starting new ones;
 - a second `rlfeed serve` of a live sidecar is refused (exit 2, naming it) and changes
   nothing; SIGTERM to the owner leaves no actor of the sidecar in the cluster;
-- a start-up that fails (a front-end never placed) leaves none either.
+- a start-up that fails (a front-end never placed) leaves none either;
+- slow: a restart with another config replaces the actors instead of adopting them; a
+  driver stalled (SIGSTOP) past its lease loses the sidecar to the next one and exits 1,
+  leaving it serving.
 
 Clients are raw gRPC stubs, each call made once: an error is a failure, never retried.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -340,4 +344,72 @@ def test_a_failed_start_leaves_no_actor(cluster, tmp_path) -> None:
         assert "not serving after 3 s" in serve.err.read_text()
         _assert_nothing_left(sidecar)
     finally:
+        sidecar.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_restart_with_another_config_replaces_what_the_killed_driver_left(
+    cluster, tmp_path
+) -> None:
+    sidecar = Sidecar(cluster, tmp_path)
+    first = sidecar.start()
+    try:
+        sidecar.listening(first)
+        before = sidecar.actors()
+        first.kill()
+        first.wait(timeout=30)
+        config = sidecar.config.read_text()
+        server = '[server]\nhost = "127.0.0.1"\n'
+        assert server in config
+        sidecar.config.write_text(config.replace(server, server + "max_wait_seconds = 7\n"))
+        second = sidecar.start()
+        assert "adopted" not in sidecar.listening(second)[-1]
+        after = sidecar.actors()
+        assert sorted(after) == sorted(before)
+        renewed = [name for name in after if after[name] == before[name]]
+        assert renewed == ["rlfeed-scheduler-driver"], "the old scheduler or front-end runs on"
+        assert (
+            f"rlfeed serve: replacing sidecar 'rlfeed-scheduler' in Ray namespace "
+            f"'{sidecar.namespace}' left running by pid {first.pid} on host "
+        ) in second.err.read_text()
+        assert "(its driver ran another config; no journal: it starts empty)" in (
+            second.err.read_text()
+        )
+        assert sidecar.stop(second) == 0
+        _assert_nothing_left(sidecar)
+    finally:
+        sidecar.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stalled_driver_whose_lease_was_taken_over_leaves_the_sidecar_running(
+    cluster, tmp_path
+) -> None:
+    """SIGSTOP stalls the owner past its lease; the next driver adopts the sidecar. The
+    stalled one, continued, finds it lost the lease and exits 1 without stopping anything."""
+    sidecar = Sidecar(cluster, tmp_path)
+    first = sidecar.start()
+    try:
+        address = sidecar.listening(first)[-1].split()[4]
+        before = sidecar.actors()
+        os.kill(first.pid, signal.SIGSTOP)
+        second = sidecar.start()
+        assert "adopted 1 front-ends" in sidecar.listening(second)[-1]
+        os.kill(first.pid, signal.SIGCONT)
+        assert first.wait(timeout=60) == 1
+        assert (
+            f"was taken over by the rlfeed serve of pid {second.pid} on host "
+            in first.err.read_text()
+        )
+        assert sidecar.actors() == before
+        with grpc.insecure_channel(address) as channel:
+            status = pb_grpc.SidecarStatusStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert [f.state for f in status.front_end_list] == ["serving"]
+        assert sidecar.stop(second) == 0
+        _assert_nothing_left(sidecar)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first.pid, signal.SIGCONT)
         sidecar.close()
