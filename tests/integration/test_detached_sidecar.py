@@ -10,7 +10,7 @@ shut down at the end). Each test names its sidecar with a `[ray] namespace` of i
 - a start-up that fails (a front-end never placed) leaves none either;
 - slow: a restart with another config replaces the actors instead of adopting them; a
   driver stalled (SIGSTOP) past its lease loses the sidecar to the next one and exits 1,
-  leaving it serving.
+  leaving it serving; a front-end killed while no driver runs is restarted by Ray.
 
 Clients are raw gRPC stubs, each call made once: an error is a failure, never retried.
 """
@@ -412,4 +412,49 @@ def test_a_stalled_driver_whose_lease_was_taken_over_leaves_the_sidecar_running(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(first.pid, signal.SIGCONT)
+        sidecar.close()
+
+
+def _frontend_pids(cluster: RayCluster) -> list[int]:
+    return [
+        int(line.split()[0]) for line in cluster.actor_processes() if "ray::FrontendActor" in line
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_front_end_crashing_while_no_driver_runs_is_restarted_by_ray(cluster, tmp_path) -> None:
+    """Nothing the dead driver owned is needed to restart a detached actor (its arguments
+    travel inside its creation task): with a journal, Ray restarts the front-end process
+    killed after its driver, on its slot, and the next driver adopts it."""
+    sidecar = Sidecar(cluster, tmp_path)
+    journal = ("--journal-dir", str(tmp_path / "journal"))
+    first = sidecar.start(*journal)
+    try:
+        address = sidecar.listening(first)[-1].split()[4]
+        before = sidecar.actors()
+        first.kill()
+        first.wait(timeout=30)
+        (pid,) = _frontend_pids(cluster)
+        os.kill(pid, signal.SIGKILL)
+
+        def serving_again() -> bool:
+            if _frontend_pids(cluster) in ([], [pid]):
+                return False
+            with grpc.insecure_channel(address) as channel:
+                try:
+                    status = pb_grpc.SidecarStatusStub(channel).GetStatus(
+                        pb.GetStatusRequest(), timeout=2
+                    )
+                except grpc.RpcError:
+                    return False
+            return any(f.state == "serving" for f in status.front_end_list)
+
+        wait_until(serving_again, "the front-end was not restarted", timeout_s=120, interval_s=0.5)
+        assert sidecar.actors() == before  # restarted by Ray, not created anew
+        second = sidecar.start(*journal)
+        assert "adopted 1 front-ends" in sidecar.listening(second)[-1]
+        assert sidecar.stop(second) == 0
+        _assert_nothing_left(sidecar)
+    finally:
         sidecar.close()
