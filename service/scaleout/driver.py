@@ -55,6 +55,8 @@ class _Owned:
     handed_on: bool = False  # another driver took the lease over: the sidecar is its now
 
     def tear_down(self) -> None:
+        if self.lease is not None and not self.lease.still_held():
+            self.handed_on = True  # never stop what another driver owns now
         if self.handed_on:
             if self.lease is not None:
                 self.lease.end(kill=False)
@@ -195,7 +197,7 @@ def _adoptable(config: SidecarConfig, lease: DriverLease) -> tuple | None:
         return None
     journal = "its journal resumes the run" if config.journal.dir else "no journal: it starts empty"
     print(f"rlfeed serve: replacing {left_by} ({reason}; {journal})", file=sys.stderr)
-    _stop_leftover(config, scheduler, list(frontends.values()))
+    _stop_leftover(config, scheduler, frontends)
     return None
 
 
@@ -206,20 +208,24 @@ def _running_scheduler(config: SidecarConfig) -> ray.actor.ActorHandle | None:
         return None
 
 
-def _stop_leftover(config: SidecarConfig, scheduler, frontends: list) -> None:
-    """Stop what a dead driver left, and return once its names are free for new actors."""
-    names = [config.ray.actor_name] + [
-        frontend_actor_name(config, index) for index in running_frontends(config)
-    ]
+def _stop_leftover(
+    config: SidecarConfig,
+    scheduler: ray.actor.ActorHandle | None,
+    frontends: dict[int, ray.actor.ActorHandle],
+) -> None:
+    """Stop what a dead driver left (the front-ends told the whole sidecar stops, so none
+    hands over), and return once its names are free for new actors."""
+    names = {config.ray.actor_name} | {frontend_actor_name(config, i) for i in frontends}
     if scheduler is not None:
-        FrontendActors(config, scheduler, frontends, places=[]).stop()
+        FrontendActors(config, scheduler, list(frontends.values()), places=[]).stop()
         with contextlib.suppress(Exception):
             ray.kill(scheduler)
-    for handle in frontends if scheduler is None else ():
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
+    else:
+        for handle in frontends.values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + _NAMES_FREED_TIMEOUT_S
-    while set(names) & set(ray.util.list_named_actors()):
+    while names & set(ray.util.list_named_actors()):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the leftover actors of {sidecar_name(config)} do not stop")
         time.sleep(0.2)

@@ -174,11 +174,31 @@ class DriverLease:
                 self.lost.set()
                 return
 
-    def end(self, kill: bool) -> None:
-        """Stop renewing; with `kill`, the lease actor goes too (the sidecar was torn down)."""
+    def still_held(self) -> bool:
+        """Renew once more, the renewing thread stopped: whether this driver may tear the
+        sidecar down (a lease it cannot reach counts as held: Ray's head is gone)."""
+        self._stop_renewing()
+        if self.lost.is_set():
+            return False
+        try:
+            answer = ray.get(
+                self.handle.take.remote(self.holder, LEASE_TTL_S), timeout=_CALL_TIMEOUT_S
+            )
+        except ray.exceptions.RayError:
+            return True
+        if not answer.taken:
+            self.lost_to = answer.holder
+            self.lost.set()
+        return answer.taken
+
+    def _stop_renewing(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=_CALL_TIMEOUT_S)
+
+    def end(self, kill: bool) -> None:
+        """Stop renewing; with `kill`, the lease actor goes too (the sidecar was torn down)."""
+        self._stop_renewing()
         if kill:
             with contextlib.suppress(Exception):
                 ray.kill(self.handle, no_restart=True)

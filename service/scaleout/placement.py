@@ -28,14 +28,18 @@ class FrontendLost(RuntimeError):
     the sidecar stops (exit 1); the message says which and why."""
 
 
+def _frontend_prefix(config: SidecarConfig) -> str:
+    return f"{config.ray.actor_name}-frontend-"
+
+
 def frontend_actor_name(config: SidecarConfig, index: int) -> str:
-    return f"{config.ray.actor_name}-frontend-{index}"
+    return f"{_frontend_prefix(config)}{index}"
 
 
 def running_frontends(config: SidecarConfig) -> dict[int, ray.actor.ActorHandle]:
     """Index -> handle of every front-end actor of this sidecar alive (or restarting) in
     the driver's namespace, `[ray] namespace` (a driver killed left them running)."""
-    prefix = frontend_actor_name(config, 0)[:-1]
+    prefix = _frontend_prefix(config)
     found = {}
     for name in ray.util.list_named_actors():
         index = name[len(prefix) :]
