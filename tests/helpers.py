@@ -1,13 +1,16 @@
 """Helpers shared by tests (on sys.path through pytest's `pythonpath`): a free loopback
-port, a bounded wait for a condition, and `rlfeed serve` started in the background."""
+port, a bounded wait for a condition, `rlfeed serve` started in the background, and a
+child's stdout read line by line with a bound on each wait."""
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -60,3 +63,25 @@ def stop_serve(server) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+class Lines:
+    """A child's stdout, line by line, each wait bounded (a reader thread: select() on a
+    buffered pipe misses lines already read into the buffer)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self._lines = process, queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def next(self, timeout_s: float, what: str) -> str:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"{what}: nothing within {timeout_s} s") from None
+        assert line, f"{what}: the process exited ({self.process.wait()})"
+        return line

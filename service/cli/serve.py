@@ -17,11 +17,14 @@ SIGTERM or Ctrl-C stops it gracefully within seconds, exit status 0: serving unt
 stop is its whole job, so a stop asked for is a success (a Kubernetes Job or `restart:
 on-failure` must not count it as a crash), unlike `rlfeed demo`, whose steps a signal
 leaves undone (143). Exit 2 for a bad config, `[security]` files included (missing, a
-certificate and key that are no pair, an expired certificate); 1 when it cannot start (a
-port in use) or a replica dies without `--journal-dir` (with one, the replica is restarted
-on its journal slot and the sidecar runs on). A bad config and a port in use are found
-before Ray starts. A replica whose first process is killed exits within a second, so no
-orphan holds the port.
+certificate and key that are no pair, an expired certificate), and for a sidecar (`[ray]
+namespace` and `actor_name`) that another live `rlfeed serve` owns on the cluster of
+`--ray-address`; with `--frontends` there, SIGKILL leaves the front-ends serving and the
+next `rlfeed serve` with the same config adopts them (`service/scaleout/driver.py`). Exit 1
+when it cannot start (a port in use) or a replica dies without `--journal-dir` (with one,
+the replica is restarted on its journal slot and the sidecar runs on). A bad config and a
+port in use are found before Ray starts. A replica whose first process is killed exits
+within a second, so no orphan holds the port.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             from rlfeed.service.scaleout.driver import serve_frontend_actors
 
             code = serve_frontend_actors(config, args.ray_address, _describe_ray(args), stop)
-            print("rlfeed serve: stopped", flush=True)
+            if code != 2:  # 2: refused, it never served
+                print("rlfeed serve: stopped", flush=True)
             return code
         exporter = _bound_exporter(config)
         sidecar = _started_sidecar(config, args, exporter)

@@ -30,9 +30,13 @@ _require = require
 class RayConfig:
     """Where the scheduler actor lives."""
 
-    namespace: str = documented("rlfeed", "Ray namespace of the named scheduler actor")
+    namespace: str = documented(
+        "rlfeed", "Ray namespace of the sidecar's named actors (scheduler, front-ends, lease)"
+    )
     actor_name: str = documented(
-        "rlfeed-scheduler", "name of the scheduler actor in that namespace"
+        "rlfeed-scheduler",
+        "name of the scheduler actor in that namespace; the front-end actors and the driver "
+        "lease are named after it (NAME-frontend-i, NAME-driver)",
     )
     num_cpus: int = documented(2, "CPUs of an embedded local Ray (ignored when joining a cluster)")
 

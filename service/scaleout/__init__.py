@@ -4,7 +4,8 @@
                   restarted when they die (`rlfeed serve` watches them)
 - `actor.py`, `placement.py`, `driver.py`  `[frontends] count`: front-ends as Ray actors
                   placed across the cluster, each serving the gRPC port of its node; the
-                  driver owns them and watches them until told to stop
+                  driver watches them until told to stop. On a cluster of its own they
+                  outlive it, and `lease.py` says which driver owns (or adopts) them
 
 One front-end (server, handlers, peers, hand-over) is `service/frontend/`.
 """

@@ -2,11 +2,12 @@
 wait until each serves, watch them while the sidecar runs, stop them with it.
 
 Ray does the process management: placement (one unit of `[frontends] resource` each, or
-SPREAD over the nodes), restarts after a crash or a lost node (`max_restarts=-1` with a
-journal, the restarted actor recovering its slot), and fate-sharing with this driver (the
-actors are owned by `rlfeed serve`: if it dies they go too, and a new `rlfeed serve` on
-the same journal resumes). Without a journal a front-end that dies took what it held in
-memory along, so it is not restarted and the sidecar stops, as with `--replicas`.
+SPREAD over the nodes) and restarts after a crash or a lost node (`max_restarts=-1` with a
+journal, the restarted actor recovering its slot). On a Ray cluster of its own
+(`--ray-address`) the actors are detached and outlive their driver, which a restarted
+`rlfeed serve` adopts (`driver.py`); on an embedded Ray they share the driver's fate.
+Without a journal a front-end that dies took what it held in memory along, so it is not
+restarted and the sidecar stops, as with `--replicas`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,28 @@ class FrontendLost(RuntimeError):
     the sidecar stops (exit 1); the message says which and why."""
 
 
+def _frontend_prefix(config: SidecarConfig) -> str:
+    return f"{config.ray.actor_name}-frontend-"
+
+
 def frontend_actor_name(config: SidecarConfig, index: int) -> str:
-    return f"{config.ray.actor_name}-frontend-{index}"
+    return f"{_frontend_prefix(config)}{index}"
 
 
-def _options(config: SidecarConfig, index: int) -> dict:
+def running_frontends(config: SidecarConfig) -> dict[int, ray.actor.ActorHandle]:
+    """Index -> handle of every front-end actor of this sidecar alive (or restarting) in
+    the driver's namespace, `[ray] namespace` (a driver killed left them running)."""
+    prefix = _frontend_prefix(config)
+    found = {}
+    for name in ray.util.list_named_actors():
+        index = name[len(prefix) :]
+        if name.startswith(prefix) and index.isdigit():
+            with contextlib.suppress(ValueError):  # gone since listed
+                found[int(index)] = ray.get_actor(name, namespace=config.ray.namespace)
+    return found
+
+
+def _options(config: SidecarConfig, index: int, detached: bool) -> dict:
     placement = config.frontends
     options = {
         "name": frontend_actor_name(config, index),
@@ -40,6 +58,8 @@ def _options(config: SidecarConfig, index: int) -> dict:
         "num_cpus": placement.num_cpus,
         "max_concurrency": 4,  # `place` and `stop` answer while gRPC threads serve
     }
+    if detached:
+        options["lifetime"] = "detached"
     if placement.resource:
         options["resources"] = {placement.resource: 1}
     else:
@@ -56,6 +76,7 @@ class FrontendActors:
     handles: list[ray.actor.ActorHandle]
     places: list[FrontendPlace]
     restarts: int = 0
+    adopted: int = 0  # front-ends a driver killed left running, now this one's
     _asked: dict[int, tuple[ray.ObjectRef, float]] = field(default_factory=dict)
     _down_since: dict[int, float] = field(default_factory=dict)
 
@@ -135,18 +156,22 @@ class FrontendActors:
 
 
 def start_frontend_actors(
-    config: SidecarConfig, scheduler: ray.actor.ActorHandle
+    config: SidecarConfig,
+    scheduler: ray.actor.ActorHandle,
+    detached: bool = False,
+    adopted: list[ray.actor.ActorHandle] | None = None,
 ) -> FrontendActors:
-    """Create `[frontends] count` front-end actors and return once each serves.
-    RuntimeError (the created ones killed) when one fails to start or does not serve
-    within `[frontends] serving_timeout_s` (no node offers the resource, or the CPUs)."""
+    """Create `[frontends] count` front-end actors (`detached`: outliving this driver), or
+    take `adopted` ones, and return once each serves. RuntimeError (every one killed)
+    when one fails to start or does not serve within `[frontends] serving_timeout_s` (no
+    node offers the resource, or the CPUs)."""
     actor_class = ray.remote(FrontendActor)
     timeout_s = config.frontends.serving_timeout_s
-    handles = [
-        actor_class.options(**_options(config, index)).remote(config, index)
+    handles = adopted or [
+        actor_class.options(**_options(config, index, detached)).remote(config, index)
         for index in range(config.frontends.count)
     ]
-    actors = FrontendActors(config, scheduler, handles, places=[])
+    actors = FrontendActors(config, scheduler, handles, places=[], adopted=len(adopted or ()))
     try:
         refs = [handle.place.remote() for handle in handles]
         _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

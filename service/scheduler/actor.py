@@ -353,10 +353,12 @@ def _fail_stop(error: Exception) -> None:
     os._exit(70)
 
 
-def create_scheduler_actor(config: SidecarConfig, on_head: bool = False) -> ray.actor.ActorHandle:
+def create_scheduler_actor(
+    config: SidecarConfig, on_head: bool = False, detached: bool = False
+) -> ray.actor.ActorHandle:
     """Start the named scheduler actor; RuntimeError if one with that name already runs.
     `on_head`: place it on the Ray head node (front-ends as actors live on workers, whose
-    loss must not take the scheduler along)."""
+    loss must not take the scheduler along). `detached`: it outlives this driver."""
     name, namespace = config.ray.actor_name, config.ray.namespace
     try:
         ray.get_actor(name, namespace=namespace)
@@ -376,6 +378,7 @@ def create_scheduler_actor(config: SidecarConfig, on_head: bool = False) -> ray.
         namespace=namespace,
         max_restarts=restarts,
         resources={HEAD_NODE_RESOURCE: 0.001} if on_head else None,
+        lifetime="detached" if detached else None,
     )
     handle = options.remote(config, secrets.token_urlsafe(32))
     ray.get(handle.ping.remote())  # surface construction errors here, not on first use

@@ -18,16 +18,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from helpers import free_port
+from helpers import Lines, free_port
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 
@@ -65,28 +63,6 @@ for line in sys.stdin:
     print("removed", flush=True)
 cluster.shutdown()
 """
-
-
-class Lines:
-    """A child's stdout, line by line, each wait bounded (a reader thread: select() on a
-    buffered pipe misses lines already read into the buffer)."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.process, self._lines = process, queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line)
-        self._lines.put("")
-
-    def next(self, timeout_s: float, what: str) -> str:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"{what}: nothing within {timeout_s} s") from None
-        assert line, f"{what}: the process exited ({self.process.wait()})"
-        return line
 
 
 def _status(address: str) -> pb.StatusResponse | None:
