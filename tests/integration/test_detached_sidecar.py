@@ -76,16 +76,25 @@ class RayCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=env,
+            env={**env, "RAY_SCHEDULER_EVENTS": "0"},
         )
         self.lines = Lines(self.process)
-        self.address = json.loads(self.lines.next(180, "starting the Ray cluster"))["address"]
+        self.address = self._answer(180, "starting the Ray cluster")["address"]
+
+    def _answer(self, timeout_s: float, what: str) -> dict:
+        """The child's next JSON line; lines Ray's driver prints to stdout (the
+        autoscaler's tips, as "(autoscaler +37s) ...") are skipped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.lines.next(max(0.1, deadline - time.monotonic()), what)
+            if line.startswith("{"):
+                return json.loads(line)
 
     def actors(self, namespace: str) -> dict[str, str]:
         """Name -> actor id of every named actor alive in `namespace`."""
         self.process.stdin.write(namespace + "\n")
         self.process.stdin.flush()
-        return json.loads(self.lines.next(60, "listing the actors"))
+        return self._answer(60, "listing the actors")
 
     def actor_processes(self) -> list[str]:
         """The actor worker processes of rlfeed under this cluster (any sidecar)."""
