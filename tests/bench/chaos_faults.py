@@ -44,9 +44,9 @@ def fault(world: World, kind: str, rng, timeout_s: float) -> float:
     count = world.args.producers if kind == "producer" else world.world_size
     name = f"{role}-{rng.randrange(count)}"
     log = f"{name}.acked" if kind == "producer" else f"{name}.served"
-    lines = world.log_lines(log)
     started = time.monotonic()
     world.kill_client(name)
+    lines = world.log_lines(log)  # once it is dead: what comes next is the new process's
     world.start_client(name)
     until(lambda: world.log_lines(log) > lines, timeout_s, f"{name} not going on")
     return time.monotonic() - started
