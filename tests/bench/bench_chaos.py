@@ -72,6 +72,28 @@ KINDS = ("driver", "scheduler", "frontend", "node", "producer", "trainer")
 RECOVERY_TIMEOUT_S = 300.0
 
 
+def chaos(world, args, rng: random.Random, faults: dict, fault_log: list) -> str:
+    """Faults until --minutes passed and every kind happened; "" or what did not recover."""
+    ends = time.monotonic() + 60 * args.minutes
+    pending: list[str] = []
+    while time.monotonic() < ends or any(not times for times in faults.values()):
+        world.supervise_for(rng.uniform(0.5, 1.5) * args.interval)
+        if not pending:
+            pending = rng.sample(KINDS, len(KINDS))
+        kind = pending.pop()
+        at = time.time()
+        try:
+            seconds = chaos_faults.fault(world, kind, rng, RECOVERY_TIMEOUT_S)
+        except TimeoutError as exc:
+            fault_log.append((at, kind, None))
+            print(f"chaos: {kind}: not recovered: {exc}", flush=True)
+            return f"{kind}: not recovered: {exc}"
+        faults[kind].append(seconds)
+        fault_log.append((at, kind, seconds))
+        print(f"chaos: {kind} killed, recovered after {seconds:.1f} s", flush=True)
+    return ""
+
+
 def run(args: argparse.Namespace, out: Path) -> dict:
     exactly_once = _load("exactly_once")
     rng = random.Random(args.seed)
@@ -79,42 +101,31 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     world = chaos_sidecar.World(out, args, exactly_once.CONFIG, exactly_once.WORLD_SIZE)
     faults: dict[str, list[float]] = {kind: [] for kind in KINDS}
     fault_log: list[tuple[float, str, float | None]] = []  # (time, kind, recovered after)
-    failure = ""
+    history, rollouts, steps = exactly_once.History(), [], None
     try:
         world.start()
         world.wait_for_first_steps()
         memory_start = world.memory()
         chaos_start = time.time()
-        ends = time.monotonic() + 60 * args.minutes
-        pending: list[str] = []
-        while time.monotonic() < ends or any(not times for times in faults.values()):
-            world.supervise_for(rng.uniform(0.5, 1.5) * args.interval)
-            if not pending:
-                pending = rng.sample(KINDS, len(KINDS))
-            kind = pending.pop()
-            at = time.time()
-            try:
-                seconds = chaos_faults.fault(world, kind, rng, RECOVERY_TIMEOUT_S)
-            except TimeoutError as exc:
-                fault_log.append((at, kind, None))
-                failure = f"{kind}: not recovered: {exc}"
-                print(f"chaos: {failure}", flush=True)
-                break
-            faults[kind].append(seconds)
-            fault_log.append((at, kind, seconds))
-            print(f"chaos: {kind} killed, recovered after {seconds:.1f} s", flush=True)
+        failure = chaos(world, args, rng, faults, fault_log)
         chaos_end = time.time()
         memory_end = world.memory()
-        steps = world.drain()
-        history, rollouts = world.history(exactly_once.History())
+        try:
+            steps = world.drain()
+            history, rollouts = world.history(history)
+        except TimeoutError as exc:
+            failure = failure or f"drain: {exc}"
     finally:
         world.stop()
-    check = {"history": history, "rollouts": rollouts, "steps": steps}
-    try:
-        exactly_once.check_exactly_once(check)
-        exactly_once_result = "held"
-    except AssertionError as exc:
-        exactly_once_result = f"FAILED: {exc}"
+    if steps is None:
+        exactly_once_result = "not checked: the drain did not finish"
+    else:
+        try:
+            check = {"history": history, "rollouts": rollouts, "steps": steps}
+            exactly_once.check_exactly_once(check)
+            exactly_once_result = "held"
+        except AssertionError as exc:
+            exactly_once_result = f"FAILED: {exc}"
     served_at = sorted(t for t in world.served_times() if chaos_start <= t <= chaos_end)
     gaps = [(b - a, a) for a, b in itertools.pairwise(served_at)]
     gap, gap_at = max(gaps, default=(0.0, chaos_start))
