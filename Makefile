@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup system-deps demo test lint bench gencode clean
+.PHONY: setup system-deps demo test lint bench chaos gencode clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,13 @@ test: setup system-deps lint
 # each file's docstring says what it measures and how long it takes.
 bench: setup
 	@set -e; for script in tests/bench/bench_*.py; do \
+	  case $$script in */bench_chaos.py) continue;; esac; \
 	  echo "== $$script"; $(BIN)/python $$script; done
+
+# Half an hour of killing the sidecar's parts at random (not in `make bench`): see the
+# docstring of tests/bench/bench_chaos.py.
+chaos: setup
+	$(BIN)/python tests/bench/bench_chaos.py --minutes 30
 
 # The committed gencode (proto/*_pb2*.py) comes from one old grpcio-tools, in a venv of its
 # own (it needs protobuf < 5): see GRPCIO_TOOLS_VERSION in proto/generate.py for why.

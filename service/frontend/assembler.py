@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import replace
 
+import grpc
 import ray
 from rlfeed.sched.assembly import TokenColumns
 from rlfeed.service.codec.materialize import materialize_work
@@ -41,14 +42,57 @@ def _step_of(item: tuple[int, float, StepWork]) -> int:
     return item[0]
 
 
-def _log_failure(exc: Exception) -> None:
-    """A failed round, retried in 1 s. The scheduler actor not answering is the watch's to
-    report (`watch.py`: a warning at once, then its restart or the sidecar stopping), so
-    it is not logged here: a traceback a second would bury that one clear line."""
-    if isinstance(exc, ray.exceptions.RayActorError):
-        _log.debug("rlfeed: step assembly waits for the scheduler actor (%s)", type(exc).__name__)
-    else:
-        _log.exception("rlfeed: step assembly failed; retrying in 1 s")
+# What a round fails with while another front-end is away (a replica restarting: its peer
+# port gone, its batches waiting in its journal slot): said in one line, no traceback.
+_PEER_AWAY = (RuntimeError, grpc.RpcError)
+
+
+class AssemblyFailures:
+    """Failed assembly rounds in a row, logged so that a failure lasting as long as a
+    replica's restart is one warning and one line when it ends, not a traceback a second:
+    the first failure of a streak is a warning (with its traceback only if unexpected), the
+    retries are debug lines, and the first round that succeeds after it says so. The
+    scheduler actor not answering is the watch's to report (`watch.py`: a warning at once,
+    then its restart or the sidecar stopping), so it is debug here throughout."""
+
+    def __init__(self, logger: logging.Logger = _log) -> None:
+        self._log = logger
+        self.count = 0  # failed rounds in this streak
+        self._since = 0.0
+        self._warned: str | None = None  # what the streak's warning named
+
+    def failed(self, exc: Exception, step: int | None) -> None:
+        """A round failed: materializing `step`, or (None) its notes and releases."""
+        if self.count == 0:
+            self._since = time.monotonic()
+        self.count += 1
+        what = f"step {step}" if step is not None else "the notes and releases"
+        cause = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if isinstance(exc, ray.exceptions.RayActorError) or self._warned is not None:
+            self._log.debug("rlfeed: %s failed again (%s); retrying in 1 s", what, cause)
+            return
+        self._warned = what
+        self._log.warning(
+            "rlfeed: %s %s (%s); retrying every %.0f s, quiet until it succeeds",
+            what,
+            "cannot be assembled yet" if step is not None else "failed",
+            cause,
+            ASSEMBLY_RETRY_SECONDS,
+            exc_info=not isinstance(exc, _PEER_AWAY),
+        )
+
+    def succeeded(self) -> None:
+        """A round went through: the end of a streak, said if its start was."""
+        if self._warned is not None:
+            done = "went through" if self._warned.startswith("the ") else "assembled and stored"
+            self._log.warning(
+                "rlfeed: %s %s after %d failed attempts over %.1f s",
+                self._warned,
+                done,
+                self.count,
+                time.monotonic() - self._since,
+            )
+        self.count, self._warned = 0, None
 
 
 class StepAssembler:
@@ -67,6 +111,9 @@ class StepAssembler:
         self._work_ready = threading.Event()
         self._thread: threading.Thread | None = None  # started by the first ready step
         self._thread_lock = threading.Lock()
+        self.failures = AssemblyFailures()
+        # The step whose materialization failed last round (None: not one): for the log.
+        self.failing_step: int | None = None
 
     # ---- the thread ------------------------------------------------------------------
 
@@ -111,6 +158,7 @@ class StepAssembler:
             self._work_ready.clear()  # before reading the state: later work wakes us again
             if signals.stopping:
                 return
+            self.failing_step = None
             try:
                 if self.has_unstored():
                     self.assemble()
@@ -121,9 +169,11 @@ class StepAssembler:
                         self.free(releases)
             except Exception as exc:  # a dead actor surfaces on the next handler call too
                 if not signals.stopping:
-                    _log_failure(exc)
+                    self.failures.failed(exc, self.failing_step)
                     time.sleep(ASSEMBLY_RETRY_SECONDS)
                     self._work_ready.set()
+            else:
+                self.failures.succeeded()
 
     # ---- the work --------------------------------------------------------------------
 
@@ -144,11 +194,13 @@ class StepAssembler:
                 if not self._unstored:
                     break
                 step, planned_at, work = self._unstored[0]
+            self.failing_step = step
             try:
                 responses = materialize_work(work, resolve=self._resolve_payload)
             except Exception:
                 self._refresh_payloads(step)  # a front-end holding a batch may have died
                 raise
+            self.failing_step = None
             size = sum(map(len, responses))
             # The record store_step returns, known without waiting; reported before any
             # fetch can see the step.

@@ -11,7 +11,11 @@ import time
 
 import ray
 from rlfeed.sched.assembly import TokenColumns
-from rlfeed.service.frontend.assembler import ASSEMBLY_RETRY_SECONDS, StepAssembler
+from rlfeed.service.frontend.assembler import (
+    ASSEMBLY_RETRY_SECONDS,
+    AssemblyFailures,
+    StepAssembler,
+)
 from rlfeed.service.frontend.serving import POLL_SECONDS
 from rlfeed.service.frontend.state import FrontendState
 
@@ -92,12 +96,15 @@ def hand_over(
 def _assemble_what_was_planned_here(assembler: StepAssembler, timeout_s: float) -> None:
     """The assembler's own retry, bounded by `timeout_s`."""
     deadline = time.monotonic() + timeout_s
+    failures = AssemblyFailures(_log)
     while True:
+        assembler.failing_step = None
         try:
             assembler.assemble()
+            failures.succeeded()
             return
-        except Exception:
+        except Exception as exc:
             if time.monotonic() > deadline:
                 raise
-            _log.exception("rlfeed: step assembly failed while leaving; retrying in 1 s")
+            failures.failed(exc, assembler.failing_step)
             time.sleep(ASSEMBLY_RETRY_SECONDS)

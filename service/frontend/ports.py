@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import itertools
 import socket
+import sys
 from concurrent import futures
 
 import grpc
@@ -108,6 +109,39 @@ def public_server(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
     return server
+
+
+def hold_port(host: str, port: int) -> socket.socket | None:
+    """Claim `port` for this sidecar and check nothing listens there (`check_port_free`),
+    before anything starts; returns the claim, to hold until the sidecar stops (None for
+    port 0, or off Linux). RuntimeError naming `host:port` if another sidecar claimed it.
+
+    The claim closes the gap the check leaves: two sidecars of `[server] replicas` > 1
+    started within one Ray start-up both find the port free, then both bind it with
+    SO_REUSEPORT, which the kernel allows, and split the clients between two schedulers.
+    It is a Linux abstract Unix socket named after the port: bound by one process at a
+    time, scoped to the network namespace as the port is, and freed by the kernel when
+    the process dies, however it dies (no file left behind to clean up)."""
+    if port == 0 or not sys.platform.startswith("linux"):
+        check_port_free(host, port)
+        return None
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0rlfeed-serve-port-{port}")
+    except OSError as exc:
+        claim.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise RuntimeError(f"cannot claim {host}:{port}: {exc.strerror}") from None
+        raise RuntimeError(
+            f"cannot listen on {host}:{port}: the port is in use (another rlfeed serve "
+            "is starting on it or serves it)"
+        ) from None
+    try:
+        check_port_free(host, port)
+    except BaseException:
+        claim.close()
+        raise
+    return claim
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -39,7 +39,7 @@ from rlfeed.service.frontend.journaling import (
     load_claim,
     open_slot_journal,
 )
-from rlfeed.service.frontend.ports import SERVICE_NAMES, check_port_free, start_peer_server
+from rlfeed.service.frontend.ports import SERVICE_NAMES, hold_port, start_peer_server
 from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.frontend.state import FrontendState
 from rlfeed.service.frontend.watch import ActorWatch
@@ -222,10 +222,11 @@ def start_server(
     # Certificates, the token file and the port are checked before Ray starts: a bad one
     # costs no start-up. A replica joining shares the port its sidecar already holds.
     security = ServerSecurity.from_config(config.security)
-    if not join:
-        check_port_free(config.server.host, config.server.port)
+    claim = None if join else hold_port(config.server.host, config.server.port)
     teardown = _Teardown()
     with contextlib.ExitStack() as closers:  # a start-up that fails unwinds it at once
+        if claim is not None:  # let go last: no other sidecar takes the port before
+            closers.callback(claim.close)
         sidecar = _start(config, ray_address, events, join, slot, security, closers, teardown)
         sidecar.watch = _watch(sidecar, closers)
         sidecar._closers = closers.pop_all()

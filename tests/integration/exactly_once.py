@@ -5,7 +5,8 @@ idempotent-producer contract); ranks re-ask for the same (step, rank) until serv
 Clients are raw gRPC stubs from the .proto, so the check sees every byte. Over the whole
 history: every acknowledged rollout is served, in exactly one step; nothing is served that
 was not acknowledged; a (step, rank) is never served with two different contents.
-Loaded by `test_crash_loop.py` and `test_frontend_actors.py` (tests import by path here).
+Loaded by `test_crash_loop.py`, `test_frontend_actors.py` and `tests/bench/bench_chaos.py`
+(tests import by path here).
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ class History:
     def serve(self, step: int, rank: int, response: bytes) -> None:
         message = pb.GetBatchResponse.FromString(response)
         ids = [i for mb in message.microbatches for i in mb.rollout_ids]
+        self.serve_content(step, rank, hashlib.sha256(response).hexdigest(), ids)
+
+    def serve_content(self, step: int, rank: int, digest: str, ids: list[str]) -> None:
+        """(step, rank) served with content `digest` holding rollouts `ids`. Served again
+        (a rank resuming from a checkpoint), its rollouts count once; another digest is
+        a second content, which the check refuses."""
         with self.lock:
-            self.served.setdefault((step, rank), set()).add(hashlib.sha256(response).hexdigest())
-            self.rollouts_of.setdefault(step, []).extend(ids)
+            first = (step, rank) not in self.served
+            self.served.setdefault((step, rank), set()).add(digest)
+            if first:
+                self.rollouts_of.setdefault(step, []).extend(ids)
 
 
 def _retrying(call, stop: threading.Event):

@@ -52,15 +52,19 @@ _run_crash_loop, _check, _report = (
 def _serve_crash_loop(tmp_path: Path, kills: int, num_groups: int, seed: int) -> dict:
     sidecar = _sidecar(tmp_path)
     sidecar.start()
+    back_after: list[float] = []  # seconds from the SIGKILL until it answers again
 
     def crash() -> None:
+        killed = time.monotonic()
         sidecar.kill()
         sidecar.start()
+        back_after.append(time.monotonic() - killed)
 
     try:
         return _run_crash_loop(sidecar.address, crash, kills, num_groups, seed)
     finally:
         sidecar.stop()
+        print(f"sidecar back after {', '.join(f'{s:.1f}' for s in back_after)} s")
 
 
 @pytest.mark.timeout(600)

@@ -121,8 +121,10 @@ def test_a_failing_disk_refuses_ingest_serves_on_and_recovers_by_itself(
         time.sleep(1.5)
         assert flushing.is_alive() and not acks  # nothing acknowledged on a failing disk
         disk.heal()
+        healed = time.monotonic()
         flushing.join(timeout=60)
         assert not flushing.is_alive()
+        print(f"{name}: the waiting writer acknowledged {time.monotonic() - healed:.2f} s after")
         assert sum(ack.accepted for ack in acks) == 16
         _wait_for(lambda: _ingest_health(channel) == serving, "ingest health not back")
         served = [[fetch_served_bytes(channel, s, r) for r in range(2)] for s in range(3)]
@@ -159,6 +161,7 @@ def test_a_slow_disk_slows_the_acks_and_nothing_else(make_sidecar, tmp_path, mon
         disk.sync_delay_s = 0.2
         slow = [submit(list(range(4 * g, 4 * g + 4))) for g in range(1, 4)]
         assert min(slow) >= 0.2, (fast, slow)  # acknowledged only once on disk
+        print(f"ack seconds: fast disk {fast:.3f}, 200 ms fsyncs {[round(s, 3) for s in slow]}")
         disk.sync_delay_s = 0.0
         served = [[fetch_served_bytes(channel, s, r) for r in range(2)] for s in range(2)]
     ids = [rid for step in served for rid in check_served_step(step, rollouts)]

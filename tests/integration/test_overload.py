@@ -19,6 +19,7 @@ Run: pytest -m slow tests/integration/test_overload.py -s (it prints the RSS fig
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,12 @@ import pytest
 from rlfeed.client.producer import RolloutWriter
 from rlfeed.client.transport import BufferFullError, GrpcTransport, SidecarError
 
-MIB = 2**20
+_spec = importlib.util.spec_from_file_location(
+    "sidecar_memory", Path(__file__).with_name("sidecar_memory.py")
+)
+sidecar_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sidecar_memory)
+MIB, Sampler = sidecar_memory.MIB, sidecar_memory.Sampler
 GROUP_SIZE = 8
 RETAINED_STEPS, RETAINED_FREE_MIB = 2, 64
 
@@ -78,58 +84,27 @@ max_buffered_bytes = {bound}
 """
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process under it (from /proc/*/stat's parent pids)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
-def memory_of(pid: int) -> dict[str, int]:
-    """VmRSS and its shared-memory part RssShmem, bytes, and the name of a process ({} if
-    it exited meanwhile)."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-        name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()[-40:]
-    except OSError:
-        return {}
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    figures = {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "RssShmem")}
-    return {**figures, "name": name}
-
-
-def rss_bytes(pids: list[int]) -> int:
-    """The sum of the processes' VmRSS (shared pages count in each process mapping them)."""
-    return sum(memory_of(pid).get("VmRSS", 0) for pid in pids)
-
-
 class Refusals(GrpcTransport):
-    """A GrpcTransport counting every error a submission got, by gRPC code."""
+    """A GrpcTransport counting every error a submission got, by gRPC code, and timing
+    every submission acknowledged."""
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
         self.codes: dict[str, int] = {}
+        self.acked: list[tuple[float, float, int]] = []  # (sent at, seconds to ack, accepted)
         self._lock = threading.Lock()
 
     def _counted(self, submit, request):
+        started = time.monotonic()
         try:
-            return submit(request)
+            ack = submit(request)
         except SidecarError as exc:
             with self._lock:
                 self.codes[exc.code] = self.codes.get(exc.code, 0) + 1
             raise
+        with self._lock:
+            self.acked.append((started, time.monotonic() - started, ack.accepted))
+        return ack
 
     def submit(self, batch):
         return self._counted(super().submit, batch)
@@ -222,12 +197,17 @@ PARTIAL_8K = [("partial-8k", 8192, True)]
 
 
 @contextlib.contextmanager
-def overloaded_serve(directory: Path, bound: int) -> Iterator[tuple[subprocess.Popen, str]]:
+def overloaded_serve(
+    directory: Path, bound: int, launcher: tuple[str, ...] = ("-m", "rlfeed"), *flags: str
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """A real `rlfeed serve` with `[rollouts] max_buffered_bytes = bound`: (process,
-    address); stopped (SIGTERM, then kill) on the way out."""
+    address); stopped (SIGTERM, then kill) on the way out. `python LAUNCHER serve ...
+    FLAGS`: another launcher (`slow_disk_serve.py`), more flags."""
     config = directory / "overload.toml"
     config.write_text(config_text(bound))
-    command = [sys.executable, "-m", "rlfeed", "serve", "--config", str(config), "--port", "0"]
+    command = [
+        sys.executable, *launcher, "serve", "--config", str(config), "--port", "0", *flags
+    ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
@@ -304,40 +284,6 @@ def test_a_short_overload_keeps_memory_within_the_bound_and_the_stated_overhead(
     short_overload.check_memory(SHORT_BOUND, overhead(step_bytes(8192), writers=3))
 
 
-class Sampler:
-    """The sidecar's memory: the sum of VmRSS over its process tree, sampled by phase."""
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.at_idle = {pid: memory_of(pid) for pid in process_tree(root)}
-        self.idle = sum(figures.get("VmRSS", 0) for figures in self.at_idle.values())
-        self.peak, self.at_peak = self.idle, []
-        self.samples: list[tuple[int, int]] = []  # (phase, RSS)
-
-    def sample(self, phase: int) -> None:
-        tree = process_tree(self.root)
-        rss = rss_bytes(tree)
-        if rss > self.peak:
-            self.peak, self.at_peak = rss, [{**memory_of(pid), "pid": pid} for pid in tree]
-        self.samples.append((phase, rss))
-
-    def report(self) -> str:
-        phases = sorted({phase for phase, _ in self.samples})
-        per_phase = [round(max(r for p, r in self.samples if p == n) / MIB) for n in phases]
-        lines = [
-            f"sidecar RSS idle {self.idle / MIB:.0f} MiB, peak {self.peak / MIB:.0f} MiB "
-            f"(per phase {per_phase} MiB)"
-        ]
-        for figures in sorted(self.at_peak, key=lambda f: -f.get("VmRSS", 0))[:8]:
-            if "VmRSS" in figures:
-                idle = self.at_idle.get(figures["pid"], {}).get("VmRSS", 0)
-                lines.append(
-                    f"  at peak: {figures['name']}: VmRSS {figures['VmRSS'] / MIB:.0f} MiB "
-                    f"(idle {idle / MIB:.0f} MiB; RssShmem {figures['RssShmem'] / MIB:.0f} MiB)"
-                )
-        return "\n".join(lines)
-
-
 @dataclass
 class Outcome:
     """What an overload run saw: the sidecar's memory, the refusals the writers got, the
@@ -345,6 +291,7 @@ class Outcome:
 
     memory: Sampler
     refusals: dict[str, int]
+    acked: list[tuple[float, float, int]]  # (sent at, seconds to ack, accepted) a batch
     written: int
     written_partial: int
     trained_through: int  # the trainer's next step
@@ -373,18 +320,28 @@ class Outcome:
 
 
 def overload(
-    server: subprocess.Popen, address: str, phases: list[Phase], phase_s: float
+    server: subprocess.Popen,
+    address: str,
+    phases: list[Phase],
+    phase_s: float,
+    *,
+    trainer_pause_s: float = 0.5,
+    on_phase: Callable[[int], None] = lambda number: None,
+    samples: list | None = None,
 ) -> Outcome:
     """Run `phases`, `phase_s` each, sampling the sidecar's RSS every 0.25 s; let the
-    trainer drain what the writers hold; print the figures."""
+    trainer drain what the writers hold; print the figures. `on_phase(number)` runs as
+    each phase begins; `samples` gets (phase, seconds, held bytes, writers' unacknowledged
+    rollouts) at each sample."""
     status = GrpcTransport(address)
     status.register_tasks([f"task-{k}" for k in range(4)])
     time.sleep(2.0)  # let start-up settle before the idle figure
     memory = Sampler(server.pid)
     refusals = Refusals(address)
-    trainer = SlowTrainer(address, pause_s=0.5)
+    trainer = SlowTrainer(address, pause_s=trainer_pause_s)
     producers: list[Producer] = []
     for number, phase in enumerate(phases):
+        on_phase(number)
         if phase.trainer:
             trainer.start()
         for producer in producers:
@@ -396,6 +353,10 @@ def overload(
         ends = time.monotonic() + phase_s
         while time.monotonic() < ends:
             memory.sample(number)
+            if samples is not None:
+                held = status.status().held_bytes
+                unacked = [producer.writer.unacknowledged for producer in producers]
+                samples.append((number, time.monotonic(), held, unacked))
             time.sleep(0.25)
     for producer in producers:
         producer.stop.set()
@@ -422,6 +383,7 @@ def overload(
     return Outcome(
         memory=memory,
         refusals=dict(refusals.codes),
+        acked=list(refusals.acked),
         written=sum(producer.written for producer in producers),
         written_partial=sum(producer.written for producer in producers if producer.partial),
         trained_through=trainer.next_step,
