@@ -170,10 +170,11 @@ class SchedulerActor:
         self.apply_notes(notes)
         return self._take_releases(frontend_id)
 
-    def apply_notes(self, notes: list) -> None:
-        """Apply a front-end's StoreStepNote / FetchNote records, in order. A note the
-        scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
-        fail the call it rode along with or take the notes after it down."""
+    def apply_notes(self, notes: list, then: str = "", *args: Any) -> Any:
+        """Apply a front-end's StoreStepNote / FetchNote records, in order, then answer
+        `then(*args)` if named (the notes ride along with the front-end's next call). A note
+        the scheduler refuses (a bug, never an input error) is logged and skipped, so it
+        cannot fail the call or take the notes after it down."""
         for note in notes:
             try:
                 if isinstance(note, StoreStepNote):
@@ -186,6 +187,9 @@ class SchedulerActor:
                 self._notes_refused += 1
                 _log.exception("rlfeed scheduler: note %r refused", note)
         self._commit()
+        if then and (then.startswith("_") or not callable(getattr(self, then, None))):
+            raise ValueError(f"apply_notes: {then!r} is not a call of the scheduler actor")
+        return getattr(self, then)(*args) if then else None
 
     def _store_step(self, note: StoreStepNote) -> None:
         self._registry.materializing.pop(note.step, None)
