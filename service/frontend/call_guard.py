@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 from rlfeed.service.config.server import STATUS_SLOTS, ServerConfig
+from rlfeed.service.frontend.aio_host import PoolContext
 from rlfeed.service.security.interceptor import HEALTH_PREFIX
 
 _log = logging.getLogger(__name__)
@@ -334,15 +335,23 @@ class AioCallGuard(grpc.aio.ServerInterceptor):
         kind = self.guard.kind_of(method, handler)
         if kind is None:
             return handler
-        if not _is_coroutine_handler(handler):
+        streaming = handler.request_streaming or handler.response_streaming
+        in_pool = not _is_coroutine_handler(handler)
+        if in_pool and streaming:
             return self.guard._guarded(handler, method, kind)  # runs in the thread pool
-        if handler.request_streaming or handler.response_streaming:
+        if streaming:
             raise TypeError(f"{method}: a guarded coroutine handler must be unary-unary")
-        return self._guarded_coroutine(handler, method, kind)
+        return self._guarded_coroutine(handler, method, kind, in_pool)
 
     def _guarded_coroutine(
-        self, handler: grpc.RpcMethodHandler, method: str, kind: CallKind
+        self, handler: grpc.RpcMethodHandler, method: str, kind: CallKind, in_pool: bool
     ) -> grpc.RpcMethodHandler:
+        """A unary-unary call whose slot, request read and idle timer live on the event
+        loop; `in_pool`: its synchronous handler then runs in the loop's default executor
+        (the server's pool, `aio_host`) with the request read. Not by `CallGuard._guarded`:
+        each read of its request iterator crosses from the pool to the loop and back, two
+        thread hops more per call (GetStatus cost 1.7-1.8 ms of front-end CPU instead of
+        the threaded server's 1.45 ms)."""
         limits, idle, inner = self.guard.limits, self.guard.idle, handler.unary_unary
 
         async def behavior(request_iterator, context):
@@ -352,7 +361,10 @@ class AioCallGuard(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             try:
                 request = await _only_request(idle, request_iterator, context, method)
-                return await inner(request, context)
+                if not in_pool:
+                    return await inner(request, context)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(None, inner, request, PoolContext(context, loop))
             finally:
                 limits.release(kind, client)
 
