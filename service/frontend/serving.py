@@ -23,6 +23,7 @@ import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.codec.messages import status_to_proto
 from rlfeed.service.codec.request_checks import trainer_report_of
+from rlfeed.service.frontend.acks import LoneAcks
 from rlfeed.service.frontend.state import (
     AdmissionGate,
     FrontendState,
@@ -30,6 +31,7 @@ from rlfeed.service.frontend.state import (
     unavailable_when_ray_fails,
 )
 from rlfeed.service.scheduler.records import (
+    AckNote,
     Fetch,
     FetchKind,
     FetchNote,
@@ -164,6 +166,7 @@ class BatchServing:
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
         self.re_asks = ReAsks()
+        self.acks = LoneAcks(frontend.config.batching.world_size, alone=not frontend.announce)
 
     @unavailable_when_ray_fails
     @admitted
@@ -365,10 +368,16 @@ class BatchServing:
 
     @unavailable_when_ray_fails
     def AckSteps(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
+        rank = int(request.rank)
         through_step = int(request.through_step) if request.HasField("through_step") else None
-        acked = self.frontend.scheduler.ack_steps(int(request.rank), through_step)
+        acked = self.acks.answer(rank, through_step, self.frontend.signals.newest_stored_here)
+        if acked is not None:  # answered here (`acks.py`); the actor hears it in order
+            self.frontend.scheduler.note(AckNote(rank, through_step))
+            return pb.AckStepsResponse(acked_through=acked)
+        acked = self.frontend.scheduler.ack_steps(rank, through_step)
         if isinstance(acked, Refused):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
+        self.acks.heard(rank, acked)
         return pb.AckStepsResponse(acked_through=acked)
 
     @unavailable_when_ray_fails

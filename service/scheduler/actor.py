@@ -22,6 +22,7 @@ from rlfeed.service.errors import BackpressureError, InvalidBatchError
 from rlfeed.service.scheduler.frontends import FrontendRegistry
 from rlfeed.service.scheduler.journaled import JournaledScheduler
 from rlfeed.service.scheduler.records import (
+    AckNote,
     BatchHandle,
     BatchMeta,
     Fetch,
@@ -83,10 +84,7 @@ class SchedulerActor:
         return self._incarnation
 
     def _require_registered(self, frontend_id: str) -> None:
-        """With a journal, a front-end this actor does not know (it restarted since) must
-        register again first: its batches could not be journaled by their slot. Raised
-        as an error, so the call answers UNAVAILABLE and the producer retries. A call of a
-        front-end declared dead (`orphan_slot`) that arrives late is refused the same way."""
+        """`FrontendRegistry.require_registered` (UNAVAILABLE for a front-end to retry)."""
         self._registry.require_registered(frontend_id)
 
     def register_frontend(
@@ -171,16 +169,18 @@ class SchedulerActor:
         return self._take_releases(frontend_id)
 
     def apply_notes(self, notes: list, then: str = "", *args: Any) -> Any:
-        """Apply a front-end's StoreStepNote / FetchNote records, in order, then answer
-        `then(*args)` if named (the notes ride along with the front-end's next call). A note
-        the scheduler refuses (a bug, never an input error) is logged and skipped, so it
-        cannot fail the call or take the notes after it down."""
+        """Apply a front-end's notes (StoreStepNote, FetchNote, AckNote) in order, then
+        answer `then(*args)` if named (the notes ride along with its next call). A note the
+        scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
+        fail the call or take the notes after it down."""
         for note in notes:
             try:
                 if isinstance(note, StoreStepNote):
                     self._store_step(note)
                 elif isinstance(note, FetchNote):
                     self._scheduler.fetch_batch(note.step, note.rank)
+                elif isinstance(note, AckNote):
+                    self._scheduler.ack_steps(note.rank, note.through_step)
                 else:
                     raise ValueError("unknown kind of note")
             except ValueError:

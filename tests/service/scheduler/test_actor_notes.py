@@ -10,7 +10,13 @@ from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.codec.rollout_batch import batch_meta
 from rlfeed.service.config import SidecarConfig, with_overrides
 from rlfeed.service.scheduler.actor import SchedulerActor
-from rlfeed.service.scheduler.records import BatchHandle, FetchNote, HeldBy, StoreStepNote
+from rlfeed.service.scheduler.records import (
+    AckNote,
+    BatchHandle,
+    FetchNote,
+    HeldBy,
+    StoreStepNote,
+)
 from rlfeed.service.testing import synthetic_groups
 
 FRONTEND = "frontend-0"
@@ -55,3 +61,14 @@ def test_only_the_actors_public_calls_can_follow_notes(then: str) -> None:
     actor = actor_with_a_stored_step()
     with pytest.raises(ValueError, match=f"apply_notes: '{then}' is not a call"):
         actor.apply_notes([], then)
+
+
+def test_a_noted_acknowledgement_is_the_call_it_stands_for() -> None:
+    noted, called = actor_with_a_stored_step(), actor_with_a_stored_step()
+    for actor in (noted, called):
+        assert [actor.ack_steps(0, None), actor.ack_steps(1, None)] == [-1, -1]
+    noted.apply_notes([AckNote(0, 0), AckNote(1, 0)])
+    assert [called.ack_steps(0, 0), called.ack_steps(1, 0)] == [0, 0]
+    # Both ranks are done with step 0 either way, and acknowledged through it.
+    assert noted.status().steps_waiting == called.status().steps_waiting == {}
+    assert [noted.ack_steps(rank, None) for rank in (0, 1)] == [0, 0]
