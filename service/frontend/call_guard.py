@@ -328,10 +328,23 @@ class AioCallGuard(grpc.aio.ServerInterceptor):
 
     def __init__(self, guard: CallGuard) -> None:
         self.guard = guard
+        # method -> (its handler, the guarded one): built once per method, not per call.
+        self._built: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
+        built = self._built.get(method)
+        if built is not None and built[0] is handler:
+            return built[1]
+        guarded = self._guarded_handler(handler, method)
+        if handler is not None:
+            self._built[method] = (handler, guarded)
+        return guarded
+
+    def _guarded_handler(
+        self, handler: grpc.RpcMethodHandler | None, method: str
+    ) -> grpc.RpcMethodHandler | None:
         kind = self.guard.kind_of(method, handler)
         if kind is None:
             return handler
@@ -384,17 +397,27 @@ def _is_coroutine_handler(handler: grpc.RpcMethodHandler) -> bool:
     )
 
 
+async def _within(awaitable, timeout_s: float) -> Any:
+    """`awaitable`'s result, or asyncio.TimeoutError after `timeout_s` (<= 0: no limit).
+    `asyncio.timeout` (Python 3.11+) where there is one: `wait_for` wraps each read in a
+    task of its own, a cost paid on every call."""
+    if timeout_s <= 0:
+        return await awaitable
+    if not hasattr(asyncio, "timeout"):  # Python 3.10
+        return await asyncio.wait_for(awaitable, timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
+
+
 async def _only_request(idle: IdleWatch, request_iterator, context, method: str) -> Any:
-    """`_GuardedCall.only_request` on the event loop, timed by `asyncio.wait_for`."""
+    """`_GuardedCall.only_request` on the event loop, timed by `_within`."""
     try:
-        request = await asyncio.wait_for(
-            request_iterator.__anext__(), idle.timeout_s if idle.timeout_s > 0 else None
-        )
+        request = await _within(request_iterator.__anext__(), idle.timeout_s)
     except StopAsyncIteration:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes one request message and none arrived"
         )
-    except TimeoutError:
+    except asyncio.TimeoutError:
         idle.cancelled += 1
         await context.abort(grpc.StatusCode.CANCELLED, idle.message)
     if isinstance(request, Undecodable):
