@@ -309,7 +309,8 @@ def run_case(frontends: int, args: argparse.Namespace, config: Path) -> CaseResu
             process.start()
         for _ in processes:
             ready.get(timeout=START_TIMEOUT_S)
-        roles = {sidecar.process.pid: "front-end 0 (rlfeed serve)"}
+        serve = "front-end 0 (rlfeed serve)" if args.mode == "replicas" else "rlfeed serve (driver)"
+        roles = {sidecar.process.pid: serve}
         roles.update({p.pid: "producer process" for p in processes})
         before = cpu_snapshot()
         go.set()
