@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.scaleout.actor import FrontendActor, FrontendPlace
+from rlfeed.service.scheduler.actor import SERVING_RUNTIME_ENV
 
 WATCH_TIMEOUT_S = 5.0  # an answer slower than this counts as down (restarting or cut off)
 
@@ -39,6 +40,7 @@ def _options(config: SidecarConfig, index: int) -> dict:
         "max_restarts": -1 if config.journal.dir else 0,
         "num_cpus": placement.num_cpus,
         "max_concurrency": 4,  # `place` and `stop` answer while gRPC threads serve
+        "runtime_env": SERVING_RUNTIME_ENV,  # nice 0, not Ray's 15 for workers
     }
     if placement.resource:
         options["resources"] = {placement.resource: 1}

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_e2e_throughput import cpu_snapshot, reap, report_cpu
-from rlfeed.service.demo.processes import free_port
+from rlfeed.service.learning.processes import free_port
 
 GROUP_SIZE = 8
 LENGTHS = (64, 256)  # tokens per rollout, uniform in [64, 256]
