@@ -21,9 +21,10 @@ wrapper): gRPC reads a unary request before its handler runs, which would put th
 outside the slot and the timer. The wire is the same either way.
 
 `CallGuard` is the threaded server's interceptor and holds the decisions and counts;
-`AioCallGuard` applies the same ones on the public asyncio server: a synchronous handler
-(run in the server's thread pool) gets the very wrapper above, a coroutine handler
-(GetBatch) one that takes its slot, reads and times its request on the event loop.
+`AioCallGuard` applies the same ones on the public asyncio server: a synchronous streaming
+handler (run in the server's thread pool) gets the very wrapper above; a unary one takes
+its slot, reads and times its request on the event loop, then runs there (a coroutine:
+GetBatch, AckSteps) or in the pool with the request read (the rest).
 """
 
 from __future__ import annotations
