@@ -165,3 +165,28 @@ class AioServerThread:
         left = [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
         if left:
             _log.warning("rlfeed: %d gRPC handler threads still run after stop", len(left))
+
+
+class PoolContext:
+    """What a synchronous handler run in the pool sees of a coroutine call's context (as
+    grpc.aio's own bridge gives one): `abort` runs on the loop and raises `AbortError`
+    here; the rest reads or sets the call's state directly, as that bridge does."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop):
+        self._context, self._loop = context, loop
+
+    def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        abort = self._context.abort(code, details, tuple(trailing_metadata))
+        asyncio.run_coroutine_threadsafe(abort, self._loop).result()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._context.set_trailing_metadata(metadata)
+
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()

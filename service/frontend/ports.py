@@ -58,7 +58,7 @@ def _rollout_ingest_handler(ingest: RolloutIngest) -> grpc.GenericRpcHandler:
 
 def _batch_serving_handler(serving: BatchServing, *, waits_on_loop: bool) -> grpc.GenericRpcHandler:
     """BatchServing registered by hand: GetBatch returns stored bytes as they are. With
-    `waits_on_loop` (the asyncio server), GetBatch is the coroutine form."""
+    `waits_on_loop` (the asyncio server), GetBatch and AckSteps are the coroutine forms."""
     return grpc.method_handlers_generic_handler(
         "rlfeed.v1.BatchServing",
         {
@@ -68,7 +68,7 @@ def _batch_serving_handler(serving: BatchServing, *, waits_on_loop: bool) -> grp
                 response_serializer=_pass_through,
             ),
             "AckSteps": grpc.unary_unary_rpc_method_handler(
-                serving.AckSteps,
+                serving.AckStepsAsync if waits_on_loop else serving.AckSteps,
                 request_deserializer=pb.AckStepsRequest.FromString,
                 response_serializer=pb.AckStepsResponse.SerializeToString,
             ),

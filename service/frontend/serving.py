@@ -8,7 +8,9 @@ GetBatch comes in two forms with one logic: `GetBatch`, a thread's handler (the 
 peer server, where another front-end forwards a fetch), and `GetBatchAsync`, the public
 asyncio server's: it waits on the event loop (`StepSignals.wait_async`), holding no thread,
 answers a first fetch of a step stored here on the loop, and runs only what blocks (the
-actor's answer, a peer's) in the loop's executor, the server's thread pool.
+actor's answer, a peer's) in the loop's executor, the server's thread pool. AckSteps too:
+`AckStepsAsync` answers on the loop what a lone front-end answers itself (`acks.py`) and
+takes the actor's answer in the pool.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import ray
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.service.codec.messages import status_to_proto
 from rlfeed.service.codec.request_checks import trainer_report_of
+from rlfeed.service.frontend.acks import LoneAcks
+from rlfeed.service.frontend.aio_host import PoolContext
 from rlfeed.service.frontend.state import (
     AdmissionGate,
     FrontendState,
@@ -30,6 +34,7 @@ from rlfeed.service.frontend.state import (
     unavailable_when_ray_fails,
 )
 from rlfeed.service.scheduler.records import (
+    AckNote,
     Fetch,
     FetchKind,
     FetchNote,
@@ -165,6 +170,7 @@ class BatchServing:
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
         self.re_asks = ReAsks()
+        self.acks = LoneAcks(frontend.config.batching.world_size, alone=not frontend.announce)
 
     @unavailable_when_ray_fails
     @admitted
@@ -366,10 +372,35 @@ class BatchServing:
 
     @unavailable_when_ray_fails
     def AckSteps(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
+        answer = self._ack_here(request)
+        if answer is not None:
+            return answer
+        rank = int(request.rank)
         through_step = int(request.through_step) if request.HasField("through_step") else None
-        acked = self.frontend.scheduler.ack_steps(int(request.rank), through_step)
+        acked = self.frontend.scheduler.ack_steps(rank, through_step)
         if isinstance(acked, Refused):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
+        self.acks.heard(rank, acked)
+        return pb.AckStepsResponse(acked_through=acked)
+
+    async def AckStepsAsync(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
+        """AckSteps on an asyncio server: answered on the loop when this front-end knows
+        the answer (`acks.py`: it never blocks), else in the pool (it waits for the actor)."""
+        answer = self._ack_here(request)
+        if answer is not None:
+            return answer
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.AckSteps, request, PoolContext(context, loop))
+
+    def _ack_here(self, request: pb.AckStepsRequest) -> pb.AckStepsResponse | None:
+        """The answer to AckSteps if this front-end gives it itself (then the actor hears
+        the acknowledgement in order, as a note); None: the actor answers."""
+        rank = int(request.rank)
+        through_step = int(request.through_step) if request.HasField("through_step") else None
+        acked = self.acks.answer(rank, through_step, self.frontend.signals.newest_stored_here)
+        if acked is None:
+            return None
+        self.frontend.scheduler.note(AckNote(rank, through_step))
         return pb.AckStepsResponse(acked_through=acked)
 
     @unavailable_when_ray_fails

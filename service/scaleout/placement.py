@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import ray
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.scaleout.actor import FrontendActor, FrontendPlace
+from rlfeed.service.scheduler.actor import SERVING_RUNTIME_ENV
 
 WATCH_TIMEOUT_S = 5.0  # an answer slower than this counts as down (restarting or cut off)
 
@@ -57,6 +58,7 @@ def _options(config: SidecarConfig, index: int, detached: bool) -> dict:
         "max_restarts": -1 if config.journal.dir else 0,
         "num_cpus": placement.num_cpus,
         "max_concurrency": 4,  # `place` and `stop` answer while gRPC threads serve
+        "runtime_env": SERVING_RUNTIME_ENV,  # nice 0, not Ray's 15 for workers
     }
     if detached:
         options["lifetime"] = "detached"

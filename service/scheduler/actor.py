@@ -22,6 +22,7 @@ from rlfeed.service.errors import BackpressureError, InvalidBatchError
 from rlfeed.service.scheduler.frontends import FrontendRegistry
 from rlfeed.service.scheduler.journaled import JournaledScheduler
 from rlfeed.service.scheduler.records import (
+    AckNote,
     BatchHandle,
     BatchMeta,
     Fetch,
@@ -84,10 +85,7 @@ class SchedulerActor:
         return self._incarnation
 
     def _require_registered(self, frontend_id: str) -> None:
-        """With a journal, a front-end this actor does not know (it restarted since) must
-        register again first: its batches could not be journaled by their slot. Raised
-        as an error, so the call answers UNAVAILABLE and the producer retries. A call of a
-        front-end declared dead (`orphan_slot`) that arrives late is refused the same way."""
+        """`FrontendRegistry.require_registered` (UNAVAILABLE for a front-end to retry)."""
         self._registry.require_registered(frontend_id)
 
     def register_frontend(
@@ -171,22 +169,28 @@ class SchedulerActor:
         self.apply_notes(notes)
         return self._take_releases(frontend_id)
 
-    def apply_notes(self, notes: list) -> None:
-        """Apply a front-end's StoreStepNote / FetchNote records, in order. A note the
+    def apply_notes(self, notes: list, then: str = "", *args: Any) -> Any:
+        """Apply a front-end's notes (StoreStepNote, FetchNote, AckNote) in order, then
+        answer `then(*args)` if named (the notes ride along with its next call). A note the
         scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
-        fail the call it rode along with or take the notes after it down."""
+        fail the call or take the notes after it down."""
         for note in notes:
             try:
                 if isinstance(note, StoreStepNote):
                     self._store_step(note)
                 elif isinstance(note, FetchNote):
                     self._scheduler.fetch_batch(note.step, note.rank)
+                elif isinstance(note, AckNote):
+                    self._scheduler.ack_steps(note.rank, note.through_step)
                 else:
                     raise ValueError("unknown kind of note")
             except ValueError:
                 self._notes_refused += 1
                 _log.exception("rlfeed scheduler: note %r refused", note)
         self._commit()
+        if then and (then.startswith("_") or not callable(getattr(self, then, None))):
+            raise ValueError(f"apply_notes: {then!r} is not a call of the scheduler actor")
+        return getattr(self, then)(*args) if then else None
 
     def _store_step(self, note: StoreStepNote) -> None:
         self._registry.materializing.pop(note.step, None)
@@ -344,6 +348,13 @@ class SchedulerActor:
 # state actors are placed so).
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
+# Ray runs its worker processes at nice 15 (`RAY_worker_niceness`), below everything else
+# on the node, the producers and trainers the sidecar serves included: on a busy node an
+# actor of the sidecar then got the CPU last (a front-end actor ingested 10-19% less than a
+# forked `rlfeed serve` process, `bench_producers.py`). Its actors run at nice 0, as `rlfeed
+# serve` does; Ray starts its own job supervisor actor the same way.
+SERVING_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+
 
 def _fail_stop(error: Exception) -> None:
     """The scheduler's journal cannot write: exit this actor's process at once, so that
@@ -379,6 +390,7 @@ def create_scheduler_actor(
         max_restarts=restarts,
         resources={HEAD_NODE_RESOURCE: 0.001} if on_head else None,
         lifetime="detached" if detached else None,
+        runtime_env=SERVING_RUNTIME_ENV,
     )
     handle = options.remote(config, secrets.token_urlsafe(32))
     ray.get(handle.ping.remote())  # surface construction errors here, not on first use

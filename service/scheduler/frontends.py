@@ -67,7 +67,10 @@ class FrontendRegistry:
             self.frontends[frontend_id].last_seen = time.monotonic()
 
     def require_registered(self, frontend_id: str) -> None:
-        """See `SchedulerActor._require_registered`."""
+        """With a journal, a front-end the actor does not know (it restarted since) must
+        register again first: its batches could not be journaled by their slot. Raised as
+        an error, so the call answers UNAVAILABLE and the producer retries. A call of a
+        front-end declared dead (`orphan_slot`) that arrives late is refused the same way."""
         if frontend_id in self.orphaned:
             raise RuntimeError(f"front-end {frontend_id} was declared dead")
         if self.journaled and frontend_id not in self.frontends:

@@ -120,6 +120,16 @@ class FetchNote:
 
 
 @dataclass(frozen=True)
+class AckNote:
+    """A rank's acknowledgement (`Scheduler.ack_steps`) that its front-end, the sidecar's
+    only one, answered itself (`frontend/acks.py`); sent like FetchNote, after the fetches
+    of the rank that came before it."""
+
+    rank: int
+    through_step: int
+
+
+@dataclass(frozen=True)
 class Releases:
     """What one front-end may free now: its ingest batches (by key) that nothing reads any
     more (no buffered rollout, no step still to be stored), and the steps no longer

@@ -45,10 +45,13 @@ rollouts/s decide the targets: >= 50% of the raw bytes rate for 8k-token rollout
 >= 20,000 rollouts/s for 100-token rollouts (`short`). `--stages` first times each stage
 alone, in one process on one step of the case's data (client encode, server decode +
 validate, plan + materialize + encode, client decode). `--cpu` prints the CPU seconds
-and minor page faults (fresh memory touched: ~1 us each in this VM) each process used in
-the end-to-end window (front-end, scheduler actor, producers, ranks,
-Ray's daemons) and those of the raw stream's two ends: on a machine with few cores the
-sum, not one process, bounds the rate. To see more, run it under a sampling profiler, e.g.
+and minor page faults (fresh memory touched: ~1 us each in this VM) each process of this
+run used in the end-to-end window (front-end, scheduler actor, producers, ranks, Ray's
+daemons; other users' processes on a shared machine are left out), the front-end's per
+thread (event loop, pool, assembler, gRPC's and Ray's threads), and those of the raw
+stream's two ends: on a machine with few cores the sum, not one process, bounds the rate,
+and the CPU ratio (raw CPU / end-to-end CPU) shifts less with other users' load than the
+wall-clock ratio does. To see more, run it under a sampling profiler, e.g.
 `py-spy record --subprocesses --format raw -o stacks.txt -- .venv/bin/python tests/bench/...`
 (py-spy samples threads that released the GIL as busy: read CPU seconds from `--cpu`).
 
@@ -245,9 +248,11 @@ def reap(processes: list[mp.Process], timeout_s: float = 30.0) -> None:
 
 def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
     """pid -> (command line, CPU seconds so far, minor page faults so far) of every process
-    on the machine."""
+    started by this one (children, their children, ...: the sidecar, Ray's daemons and
+    workers, the clients), itself included. Only those: other users' processes on a shared
+    machine (their Ray workers too) are not this run's."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+    out, parents = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -258,8 +263,48 @@ def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
                 command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        parents[int(entry)] = int(fields[1])
         out[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / tick, int(fields[7]))
+    return {pid: value for pid, value in out.items() if _descends(pid, os.getpid(), parents)}
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """thread id -> (its Python thread name, trailing number dropped, or the OS name of a
+    thread Python did not start: gRPC's, Ray's; CPU seconds so far) of this process."""
+    import threading
+
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{entry}/comm") as comm:
+                name = names.get(int(entry), comm.read().strip())
+        except OSError:
+            continue
+        out[int(entry)] = (name.rstrip("0123456789_-"), (int(fields[11]) + int(fields[12])) / tick)
     return out
+
+
+def report_threads(before: dict, after: dict) -> None:
+    """The front-end's CPU seconds per kind of thread in the window (the event loop of the
+    public server, its pool, the assembler, gRPC's and Ray's own threads)."""
+    used: dict[str, float] = {}
+    for tid, (name, total) in after.items():
+        used[name] = used.get(name, 0.0) + total - before.get(tid, (name, 0.0))[1]
+    shown = [(name, spent) for name, spent in sorted(used.items(), key=lambda i: -i[1])]
+    print("    front-end threads: " + ", ".join(f"{n} {t:.2f}" for n, t in shown if t >= 0.01))
+
+
+def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    for _ in range(64):  # a bounded walk up the tree
+        if pid == ancestor:
+            return True
+        if pid not in parents or pid <= 1:
+            return False
+        pid = parents[pid]
+    return False
 
 
 def _role(pid: int, command: str, roles: dict[int, str]) -> str:
@@ -270,14 +315,19 @@ def _role(pid: int, command: str, roles: dict[int, str]) -> str:
     for marker in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py"):
         if marker in command:
             return f"ray {marker}"
-    if "default_worker.py" in command or "ray::" in command:
+    if "ray::FrontendActor" in command:
+        return "front-end actor"
+    if "ray::SchedulerActor" in command:
         return "ray worker (the scheduler actor)"
+    if "default_worker.py" in command or "ray::" in command:
+        return "ray worker (idle or other)"
     return "other: " + command[:40]
 
 
-def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str]) -> None:
-    """CPU seconds and minor page faults (touching fresh memory, costly in a VM) of each
-    process, grouped by role, in the end-to-end window."""
+def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str]) -> float:
+    """Print the CPU seconds and minor page faults (touching fresh memory, costly in a VM)
+    of each process of this run (`cpu_snapshot`), grouped by role, in the end-to-end
+    window; returns their sum."""
     used: dict[str, float] = {}
     faults: dict[str, int] = {}
     for pid, (command, total, faulted) in after.items():
@@ -290,6 +340,7 @@ def report_cpu(before: dict, after: dict, seconds: float, roles: dict[int, str])
     for role, spent in sorted(used.items(), key=lambda item: -item[1]):
         print(f"    {role:<44} {spent:6.2f} s  {faults[role]:8,} page faults")
     print(f"    {'all':<44} {sum(used.values()):6.2f} s  {sum(faults.values()):8,} page faults")
+    return sum(used.values())
 
 
 def producer_main(
@@ -371,6 +422,7 @@ def run_e2e(case: Case, options: Options) -> dict:
 
     first_timed = options.first_timed_step(case)
     replicas = options.replicas
+    cpu_seconds = float("nan")
 
     class ServedSizes(ServerEvents):
         """Sizes of the timed steps' GetBatch responses as sent, counted where they are
@@ -424,6 +476,7 @@ def run_e2e(case: Case, options: Options) -> dict:
             results.get(timeout=300)  # ready
         cpu_before = cpu_snapshot() if options.cpu else {}
         io_before = journal_io(sidecar.actor) if journal_dir else (0, 0)
+        threads_before = thread_cpu() if options.cpu else {}
         started = time.perf_counter()
         go.set()
         ends, policy_tokens, producer_seconds = [], 0, []
@@ -455,7 +508,8 @@ def run_e2e(case: Case, options: Options) -> dict:
             roles = {os.getpid(): "front-end (gRPC server; this process)"}
             roles.update({p.pid: f"producer {i}" for i, p in enumerate(processes[:producers])})
             roles.update({p.pid: f"trainer rank {r}" for r, p in enumerate(processes[producers:])})
-            report_cpu(cpu_before, cpu_snapshot(), seconds, roles)
+            cpu_seconds = report_cpu(cpu_before, cpu_snapshot(), seconds, roles)
+            report_threads(threads_before, thread_cpu())
     finally:
         finished.set()
         reap(processes)
@@ -474,6 +528,7 @@ def run_e2e(case: Case, options: Options) -> dict:
         "journal_bytes": io_after[0] - io_before[0],
         "journal_syncs": io_after[1] - io_before[1] if io_after[1] >= 0 else -1,
         "disk_rate": disk_rate,
+        "cpu_seconds": cpu_seconds,
     }
 
 
@@ -607,10 +662,10 @@ def run_raw(
     source_sizes: list[int],
     cpu: bool = False,
     client_env: dict[str, str] | None = None,
-) -> tuple[float, float]:
-    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out),
-    the second of two passes (the first warms both ends up); with `cpu`, also prints the CPU
-    seconds both ends used in it (the floor e2e is compared to).
+) -> tuple[float, float, float]:
+    """(seconds to stream the payloads in, seconds to stream messages of `source_sizes` out,
+    CPU seconds both ends used), the second of two passes (the first warms both ends up);
+    with `cpu`, also prints the CPU seconds of each end (the floor e2e is compared to).
 
     Both ends are fresh processes of their own, so the baseline owes nothing to the state
     of the sidecar's process (its heap, its threads); the server takes the front-end's
@@ -638,7 +693,7 @@ def run_raw(
             )
     finally:
         reap([process for process in (client, server) if process is not None])
-    return sink_seconds, source_seconds
+    return sink_seconds, source_seconds, client_cpu + server_cpu
 
 
 # -- stages -------------------------------------------------------------------------------
@@ -749,24 +804,28 @@ def run_case(case: Case, options: Options, stages: bool, repeats: int) -> None:
     sink_payloads = [
         p for i in range(producers) for p in payloads(case, make_rows(case, i, producers))
     ]
-    ratios, rates = [], []
+    ratios, rates, cpu_ratios = [], [], []
     for repeat in range(repeats):
         if repeats > 1:
             print(f"  -- run {repeat + 1} of {repeats}", flush=True)
         # Raw right after end to end, so both see the same machine (it is shared and noisy).
         e2e = run_e2e(case, options)
         e2e["ingest_bytes"] = sum(map(len, sink_payloads))  # the producers' Arrow payloads
-        sink_seconds, source_seconds = run_raw(
+        sink_seconds, source_seconds, raw_cpu = run_raw(
             sink_payloads, e2e["served_sizes"], options.cpu, options.client_env
         )
         ratio, rate = report(case, e2e, sink_seconds, source_seconds)
         ratios.append(ratio)
         rates.append(rate)
+        if options.cpu:
+            cpu_ratios.append(raw_cpu / e2e["cpu_seconds"])
+            print(f"  CPU ratio        raw CPU / e2e CPU (this run's) = {cpu_ratios[-1]:.1%}")
     ratio, rate = float(np.median(ratios)), float(np.median(rates))
     if repeats > 1:
         print(
             f"  median of {repeats} runs: ratio {ratio:.1%} (runs: "
             f"{', '.join(f'{r:.1%}' for r in ratios)}), {rate:,.0f} rollouts/s"
+            + (f"; CPU ratio {float(np.median(cpu_ratios)):.1%}" if cpu_ratios else "")
         )
     if case.name == "long":
         verdict = "met" if ratio >= 0.5 else "NOT met"

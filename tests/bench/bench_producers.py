@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_e2e_throughput import cpu_snapshot, reap, report_cpu
-from rlfeed.service.demo.processes import free_port
+from rlfeed.service.learning.processes import free_port
 
 GROUP_SIZE = 8
 LENGTHS = (64, 256)  # tokens per rollout, uniform in [64, 256]
@@ -309,7 +309,8 @@ def run_case(frontends: int, args: argparse.Namespace, config: Path) -> CaseResu
             process.start()
         for _ in processes:
             ready.get(timeout=START_TIMEOUT_S)
-        roles = {sidecar.process.pid: "front-end 0 (rlfeed serve)"}
+        serve = "front-end 0 (rlfeed serve)" if args.mode == "replicas" else "rlfeed serve (driver)"
+        roles = {sidecar.process.pid: serve}
         roles.update({p.pid: "producer process" for p in processes})
         before = cpu_snapshot()
         go.set()

@@ -211,9 +211,9 @@ def _wait_for_log(log: Path, text: str, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def _frontend_pids(root: int) -> list[int]:
-    """The FrontendActor processes under `root` (its embedded Ray's workers are its
-    descendants): another run on this host may have front-ends of its own."""
+def _frontend_pids(root: int, actor: str = "FrontendActor") -> list[int]:
+    """The `actor` processes (FrontendActor, SchedulerActor) under `root` (its embedded
+    Ray's workers are its descendants): another run on this host may have its own."""
     table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
     children: dict[int, list[int]] = {}
     command: dict[int, str] = {}
@@ -225,7 +225,7 @@ def _frontend_pids(root: int) -> list[int]:
     while stack:
         for child in children.get(stack.pop(), []):
             stack.append(child)
-            if command[child].startswith("ray::FrontendActor"):
+            if command[child].startswith(f"ray::{actor}"):
                 found.append(child)
     return found
 
@@ -246,6 +246,12 @@ def test_two_front_ends_start_on_the_embedded_ray_with_the_default_config(tmp_pa
         print(f"{line.strip()} after {seconds:.1f} s")
         assert "2 front-ends as Ray actors" in line, line
         assert seconds < 60  # Ray's start-up and two actors; never the 120 s placement wait
+        # The sidecar's actors get the CPU as `rlfeed serve` does, not at Ray's nice 15 for
+        # workers, below the producers and trainers they serve.
+        actors = _frontend_pids(serve.pid) + _frontend_pids(serve.pid, "SchedulerActor")
+        assert len(actors) == 3
+        niceness = {os.getpriority(os.PRIO_PROCESS, pid) for pid in actors}
+        assert niceness == {os.getpriority(os.PRIO_PROCESS, serve.pid)}
         serve.terminate()
         assert serve.wait(timeout=60) == 0
     finally:
