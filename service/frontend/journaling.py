@@ -139,11 +139,13 @@ def derive_steps(
     payloads: LocalPayloads,
     responses: ResponseCache,
 ) -> int:
-    """Build each stored step of `derive` again from its journaled batches (this slot's
-    in memory or on disk, other slots' read from their folders under `[journal] dir`),
-    check every rank against its digest and put the step in the cache. Returns the steps
-    built; RederiveMismatchError for a rank whose bytes differ (nothing of it is kept)."""
-    if not derive:
+    """Build each stored step of `derive` that the cache lacks from its journaled batches
+    (this slot's in memory or on disk, other slots' read from their folders under
+    `[journal] dir`), check every rank against its digest and put the step in the cache.
+    Returns the steps built; RederiveMismatchError for a rank whose bytes differ (nothing
+    of it is kept)."""
+    derive = [item for item in derive if responses.get(item[0].step) is None]  # not in memory
+    if not derive:  # (a front-end that lives on through the actor's restart has them)
         return 0
     columns = _batch_columns(journal, [work for work, _ in derive], payloads)
     for work, expected in derive:
