@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import google_crc32c
 from grpc_health.v1 import health, health_pb2
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.sched.assembly import TokenColumns
@@ -30,6 +29,7 @@ from rlfeed.service.codec.messages import decode_rollout_batch
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.frontend.memory import LocalPayloads, ResponseCache
 from rlfeed.service.journal import Journal, JournalCorruptError, JournalError
+from rlfeed.service.journal.records import crc32c
 from rlfeed.service.journal.segments import read_positions
 from rlfeed.service.scheduler.client import SchedulerClient
 from rlfeed.service.scheduler.records import JournalRef, SlotClaim, StepWork
@@ -60,7 +60,7 @@ class RederiveMismatchError(JournalError):
 
 def digests(responses: list[bytes]) -> list[Digest]:
     """What the scheduler's journal keeps of a `derivable` step's responses."""
-    return [(google_crc32c.value(response), len(response)) for response in responses]
+    return [(crc32c(response), len(response)) for response in responses]
 
 
 def journal_step(
