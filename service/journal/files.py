@@ -8,7 +8,9 @@ keeps its mode: an operator's, not ours to change.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -85,6 +87,20 @@ def write_all(fd: int, chunks: Sequence[bytes]) -> None:
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
+
+
+def write_direct(fd: int, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
+    """Write `buffer[:nbytes]` at `offset` of an O_DIRECT descriptor (all three aligned to
+    the device's block), resuming after a short write of whole blocks."""
+    JOURNAL_IO.wrote(nbytes)
+    done = 0
+    with memoryview(buffer) as view:
+        while done < nbytes:
+            with view[done:nbytes] as rest:
+                written = os.pwrite(fd, rest, offset + done)
+            if written <= 0 or (written < nbytes - done and written % 4096):
+                raise OSError(errno.EIO, f"short direct write: {written} of {nbytes - done} bytes")
+            done += written
 
 
 def create_file_atomically(path: Path, chunks: Sequence[bytes]) -> None:

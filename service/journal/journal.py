@@ -28,13 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlfeed.service.config.journal import JournalConfig
+from rlfeed.service.journal.appender import SegmentAppender
 from rlfeed.service.journal.durability import Durability
 from rlfeed.service.journal.errors import JournalRangeError
 from rlfeed.service.journal.files import (
     DirectoryLock,
     make_private_directory,
     sync_fd,
-    write_all,
 )
 from rlfeed.service.journal.records import (
     FILE_HEADER_BYTES,
@@ -76,8 +76,7 @@ class Journal:
         self._segments = segments
         self._next_seq = next_seq
         self._segment_bytes = tail_bytes
-        self._fd = os.open(segments[-1].path, os.O_WRONLY)
-        os.lseek(self._fd, tail_bytes, os.SEEK_SET)
+        self._file = SegmentAppender(segments[-1].path, tail_bytes, direct=config.direct_io)
         self._write_lock = threading.Lock()  # the file, its size, the segment list, next_seq
         self._durability = Durability(directory, next_seq - 1)  # what appenders wait on
         self._durable_bytes = tail_bytes  # end of the durable records of the newest segment
@@ -171,9 +170,9 @@ class Journal:
             try:
                 if has_records and self._segment_bytes + record_bytes > self.config.segment_bytes:
                     self._roll()
-                write_all(self._fd, [header, payload])
+                self._file.write([header, payload])
                 if self.config.sync == "always":
-                    sync_fd(self._fd)
+                    sync_fd(self._file.fd)
             except OSError as error:
                 raise self._durability.faulted(error) from error
             self._segment_bytes += record_bytes
@@ -230,19 +229,19 @@ class Journal:
     def close(self) -> None:
         """Sync what was written, close the file and release the directory. Idempotent."""
         with self._write_lock:
-            if self._fd < 0:
+            if self._file.fd < 0:
                 return
             durability = self._durability
             try:
                 if durability.failure is None and durability.fault is None:
-                    sync_fd(self._fd)
+                    self._file.trim()
+                    sync_fd(self._file.fd)
                     durability.mark(self._next_seq - 1)
                 elif durability.fault is not None:  # best effort: leave only what is durable
                     with contextlib.suppress(OSError):
                         self._cut_to_durable()
             finally:
-                os.close(self._fd)
-                self._fd = -1
+                self._file.close()
                 self._lock_file.release()
                 durability.close()
 
@@ -263,7 +262,7 @@ class Journal:
         durability.check_retry_due()
         try:
             self._cut_to_durable()
-            sync_fd(self._fd)
+            sync_fd(self._file.fd)
         except OSError as error:
             raise durability.faulted(error) from error
         durability.healed()
@@ -274,26 +273,26 @@ class Journal:
         if self.config.sync != "none":
             self._segment_bytes = self._durable_bytes
             self._next_seq = self._durability.position + 1
-        os.ftruncate(self._fd, self._segment_bytes)
-        os.lseek(self._fd, self._segment_bytes, os.SEEK_SET)
+        self._file.truncate(self._segment_bytes)
         self._durability.epoch += 1
 
     def _roll(self) -> None:
         """Close the full segment (synced: only the newest may hold a torn write), start one."""
-        sync_fd(self._fd)
+        self._file.trim()
+        sync_fd(self._file.fd)
         self._durable_bytes = self._segment_bytes
         self._durability.mark(self._next_seq - 1)
         path = segment_path(self.directory, self._next_seq)
         try:
             segment = create_segment(self.directory, self._next_seq)
-            fd = os.open(segment.path, os.O_WRONLY)
-            os.lseek(fd, FILE_HEADER_BYTES, os.SEEK_SET)
+            direct = self.config.direct_io
+            appender = SegmentAppender(segment.path, FILE_HEADER_BYTES, direct=direct)
         except OSError:  # no stray segment: a heal may give its first number to another
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        os.close(self._fd)
-        self._fd, self._segment_bytes = fd, FILE_HEADER_BYTES
+        self._file.close()
+        self._file, self._segment_bytes = appender, FILE_HEADER_BYTES
         self._durable_bytes = FILE_HEADER_BYTES
         self._segments.append(segment)
 
@@ -322,7 +321,7 @@ class Journal:
                     self._segment_bytes,
                     len(self._segments),
                 )
-                fd = os.dup(self._fd)  # a roll may close self._fd while this one syncs
+                fd = os.dup(self._file.fd)  # a roll may close the file while this one syncs
             try:
                 sync_fd(fd)
             except OSError as error:

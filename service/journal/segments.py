@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from rlfeed.service.journal.appender import BLOCK_BYTES
 from rlfeed.service.journal.errors import JournalCorruptError, JournalRangeError
 from rlfeed.service.journal.files import create_file_atomically, fsync_directory
 from rlfeed.service.journal.records import (
@@ -138,16 +139,21 @@ def _classify_damage(
 
 
 def _cut_torn_tail(path: Path, damage: Damage, size: int) -> None:
-    _log.warning(
-        "journal: torn tail in %s at byte offset %d (%s): cutting %d bytes that a crash "
-        "left half-written",
-        path,
-        damage.offset,
-        damage.reason,
-        size - damage.offset,
-    )
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_RDWR)
     try:
+        if size - damage.offset < BLOCK_BYTES and not os.pread(
+            fd, size - damage.offset, damage.offset
+        ).strip(b"\0"):
+            _log.info("journal: cutting the zeros an O_DIRECT write left after %s's end", path)
+        else:
+            _log.warning(
+                "journal: torn tail in %s at byte offset %d (%s): cutting %d bytes that a "
+                "crash left half-written",
+                path,
+                damage.offset,
+                damage.reason,
+                size - damage.offset,
+            )
         os.ftruncate(fd, damage.offset)
         os.fsync(fd)
     finally:

@@ -28,25 +28,30 @@ def disk(monkeypatch):
 
 
 def _config(sync: str, segment_bytes: int = 4096) -> JournalConfig:
-    return JournalConfig(segment_bytes=segment_bytes, max_record_bytes=1 << 16, sync=sync)
+    return JournalConfig(segment_bytes=segment_bytes, max_record_bytes=1 << 20, sync=sync)
 
 
 def _records(journal: Journal) -> list[bytes]:
     return [record.payload for record in journal.records_after(0)]
 
 
+@pytest.mark.parametrize("size", [100, 300_001], ids=["page-cache", "o-direct"])
 @pytest.mark.parametrize("sync", ["always", "group", "none"])
 @pytest.mark.parametrize(("code", "on"), [(errno.ENOSPC, "write"), (errno.EIO, "write")])
 def test_a_failed_write_is_never_acknowledged_and_the_journal_heals_once_writes_work(
-    tmp_path, disk, sync, code, on
+    tmp_path, disk, sync, code, on, size
 ) -> None:
+    """Small records go through the page cache, large ones (>= 256 KiB) straight to the
+    device (O_DIRECT, `journal.appender`); a failed write of either kind lands part of its
+    bytes, and the heal cuts them."""
     journal = Journal.open(tmp_path, _config(sync))
     journal.retry_after_s = 0.05
-    acknowledged = [b"a" * 100, b"b" * 100]
+    acknowledged = [b"a" * size, b"b" * size]
     assert [journal.append(1, p) for p in acknowledged] == [1, 2]
+    assert (disk.direct_writes > 0) == (size > 256 << 10)
     disk.fail(code, on=on)
     with pytest.raises(JournalWriteError) as raised:
-        journal.append(1, b"lost" * 50)
+        journal.append(1, b"lost" * (size // 2))
     name = faulty_disk.errno_names[code]
     assert name in str(raised.value) and "retry in 0.05 s" in str(raised.value)
     assert journal.fault is not None and raised.value.cause.errno == code
@@ -62,9 +67,9 @@ def test_a_failed_write_is_never_acknowledged_and_the_journal_heals_once_writes_
 
     disk.heal()
     time.sleep(0.06)
-    assert journal.append(1, b"c" * 100) == 3  # gap-free after the last acknowledged
+    assert journal.append(1, b"c" * size) == 3  # gap-free after the last acknowledged
     assert journal.fault is None
-    acknowledged.append(b"c" * 100)
+    acknowledged.append(b"c" * size)
     assert _records(journal) == acknowledged
     journal.close()
     with Journal.open(tmp_path, _config(sync)) as again:
