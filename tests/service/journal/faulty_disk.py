@@ -24,9 +24,9 @@ _real_sync_fd = files_module.sync_fd
 
 class FaultyDisk:
     """Patches the journal's `write_all`, `write_direct` (O_DIRECT appends) and `sync_fd`
-    (and segment creation's writes) for the test's duration (`monkeypatch`). Set `write_error` / `sync_error` to an errno to
-    make every write / fsync fail with it, None to let them through; `sync_delay_s` delays
-    every fsync."""
+    (and segment creation's writes) for the test's duration (`monkeypatch`). Set
+    `write_error` / `sync_error` to an errno to make every write / fsync fail with it, None
+    to let them through; `sync_delay_s` delays every fsync."""
 
     def __init__(self, monkeypatch) -> None:
         self.write_error: int | None = None

@@ -130,11 +130,11 @@ def test_where_o_direct_is_refused_records_go_through_the_page_cache_with_a_warn
 
     monkeypatch.setattr(os, "open", refusing)
     payloads = _payloads(seed=3)
-    with caplog.at_level(logging.WARNING, logger="rlfeed.service.journal"):
-        with Journal.open(tmp_path, _config(direct_io=True)) as journal:
-            for payload in payloads:
-                journal.append(1, payload)
-            assert [r.payload for r in journal.records_after(0)] == payloads
+    caplog.set_level(logging.WARNING, logger="rlfeed.service.journal")
+    with Journal.open(tmp_path, _config(direct_io=True)) as journal:
+        for payload in payloads:
+            journal.append(1, payload)
+        assert [r.payload for r in journal.records_after(0)] == payloads
     assert direct_writes == []
     refused = [r.message for r in caplog.records if "refuses O_DIRECT" in r.message]
     assert len(refused) == 1 and "Invalid argument" in refused[0]  # one, for every segment
