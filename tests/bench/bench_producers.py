@@ -17,7 +17,8 @@ rollouts of 64-256 tokens, 1/4 prompt; ~12 KB of Arrow IPC) with the unary
 sends one batch untimed first (connections up, code warm); then every ack that comes back
 in the `--seconds` window counts: accepted rollouts per second (all producers) and ack
 latency percentiles (client-side, request sent to ack received). Then the CPU seconds each
-kind of process used in the window (`bench_e2e_throughput.report_cpu`).
+kind of process used in the window (`e2e_processes.report_cpu`, as `bench_e2e_throughput.py`
+reports it).
 
 No trainer runs: steps never form (`prompts_per_step` x `group_size` is 2M rollouts, more
 than a window takes), and `max_buffered_rollouts` and `max_buffered_bytes` hold every
@@ -66,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from bench_e2e_throughput import cpu_snapshot, reap, report_cpu
+from e2e_processes import cpu_snapshot, reap, report_cpu
 from rlfeed.service.learning.processes import free_port
 
 GROUP_SIZE = 8
