@@ -34,7 +34,7 @@ COMMANDS: dict[str, str] = {
 # (no Ray, no torch), so a command that needs more says which extra, in one line.
 EXTRA_OF_MODULE: dict[str, str] = {
     **dict.fromkeys(
-        ("ray", "grpc_health", "grpc_reflection", "prometheus_client", "msgpack", "google_crc32c",
+        ("ray", "grpc_health", "grpc_reflection", "prometheus_client", "msgpack", "crc32c",
          "tomli"),
         "serve",
     ),

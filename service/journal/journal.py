@@ -131,7 +131,7 @@ class Journal:
     def retry_after_s(self, seconds: float) -> None:
         self._durability.retry_after_s = seconds
 
-    def append(self, kind: int, payload: bytes) -> int:
+    def append(self, kind: int, payload: bytes | memoryview) -> int:
         """Append one record of `kind` (1..255); return its position once durable per policy.
 
         With sync "always" or "group" the record is on stable storage when this returns,
@@ -141,11 +141,12 @@ class Journal:
         """
         return self.append_all(kind, [payload])[0]
 
-    def append_all(self, kind: int, payloads: list[bytes]) -> list[int]:
+    def append_all(self, kind: int, payloads: list[bytes | memoryview]) -> list[int]:
         """`append` for several records that need one wait, not one each (a step's
         responses, one per rank): their positions, consecutive unless other threads append
-        meanwhile. A `ValueError` for an oversized one writes none of them."""
-        payloads = [p if type(p) is bytes else bytes(p) for p in payloads]
+        meanwhile. A `ValueError` for an oversized one writes none of them. A memoryview
+        (an ingest payload inside its request) is written and checksummed in place."""
+        payloads = [p if type(p) is bytes else memoryview(p).cast("B") for p in payloads]
         for payload in payloads:
             if len(payload) > self.config.max_record_bytes:
                 raise ValueError(
@@ -159,7 +160,7 @@ class Journal:
             raise self._durability.write_error()
         return [position for position, _ in written]
 
-    def _write(self, kind: int, payload: bytes, payload_crc: int) -> tuple[int, int]:
+    def _write(self, kind: int, payload: bytes | memoryview, payload_crc: int) -> tuple[int, int]:
         """Write one record (fsynced with sync "always"); its position and epoch."""
         with self._write_lock:
             self._check_writable()

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import msgpack
 from rlfeed.service.config.journal import JournalConfig
 from rlfeed.service.journal.errors import JournalVersionError
@@ -32,6 +31,7 @@ from rlfeed.service.journal.files import (
     fsync_directory,
     make_private_directory,
 )
+from rlfeed.service.journal.records import crc32c
 
 _log = logging.getLogger("rlfeed.service.journal")
 
@@ -86,7 +86,7 @@ class SnapshotStore:
                 f"({self.config.max_snapshot_bytes})"
             )
         head = _HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_FORMAT_VERSION, 0, position, len(body))
-        crc = google_crc32c.extend(google_crc32c.value(head), body)
+        crc = crc32c(body, crc32c(head))
         path = self.directory / f"snapshot-{position:020d}.msgpack"
         create_file_atomically(path, [head, _U32.pack(crc), body])
         self._prune()
@@ -142,7 +142,7 @@ class SnapshotStore:
                 raise SnapshotInvalid(f"header says {body_bytes} body bytes, file has {size}")
             body = f.read(body_bytes)
         (crc,) = _U32.unpack_from(header, _HEAD.size)
-        if crc != google_crc32c.extend(google_crc32c.value(header[: _HEAD.size]), body):
+        if crc != crc32c(body, crc32c(header[: _HEAD.size])):
             raise SnapshotInvalid("CRC mismatch")
         if fmt != SNAPSHOT_FORMAT_VERSION:  # intact, another rlfeed's: never skipped
             raise JournalVersionError(path, "snapshot format", fmt, (SNAPSHOT_FORMAT_VERSION,))

@@ -147,7 +147,7 @@ def test_serve_without_the_serve_extra_says_what_to_install(floor_venv):
     assert time.monotonic() - started < 30
     assert run.returncode == 1
     assert run.stderr.splitlines() == [
-        "rlfeed serve: this install lacks google_crc32c, grpc_health, grpc_reflection, msgpack, "
+        "rlfeed serve: this install lacks crc32c, grpc_health, grpc_reflection, msgpack, "
         "prometheus_client, ray: pip install 'rlfeed[serve]'"
     ]
 
