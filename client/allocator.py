@@ -73,3 +73,20 @@ def retain_freed_memory(max_bytes: int, *, single_arena: bool = False) -> bool:
     trim_set = libc.mallopt(_M_TRIM_THRESHOLD, max_bytes)
     arena_set = libc.mallopt(_M_ARENA_MAX, 1) if single_arena else 1
     return bool(mmap_set and trim_set and arena_set)
+
+
+def retained_memory_environment(max_bytes: int) -> dict[str, str]:
+    """The environment variables that start a process with `retain_freed_memory(max_bytes,
+    single_arena=True)`'s settings already in place: glibc reads them before the first
+    allocation. For a process rlfeed does not start itself, whose threads exist before any
+    rlfeed code runs (a Ray actor's worker: a front-end actor), where the call would come
+    too late for the one shared heap. Empty for max_bytes <= 0 (the allocator left alone)."""
+    if max_bytes <= 0:
+        return {}
+    if max_bytes > MAX_RETAINED_BYTES:
+        raise ValueError(f"max_bytes must be at most {MAX_RETAINED_BYTES}, got {max_bytes}")
+    return {
+        "MALLOC_ARENA_MAX": "1",
+        "MALLOC_MMAP_THRESHOLD_": str(MAX_MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(max_bytes),
+    }

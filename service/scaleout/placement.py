@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+from rlfeed.client.allocator import retained_memory_environment
 from rlfeed.service.config import SidecarConfig
 from rlfeed.service.scaleout.actor import FrontendActor, FrontendPlace
 from rlfeed.service.scheduler.actor import SERVING_RUNTIME_ENV
@@ -58,7 +59,14 @@ def _options(config: SidecarConfig, index: int, detached: bool) -> dict:
         "max_restarts": -1 if config.journal.dir else 0,
         "num_cpus": placement.num_cpus,
         "max_concurrency": 4,  # `place` and `stop` answer while gRPC threads serve
-        "runtime_env": SERVING_RUNTIME_ENV,  # nice 0, not Ray's 15 for workers
+        # Nice 0, not Ray's 15 for workers; glibc's malloc set up at the worker's start,
+        # as `rlfeed serve` sets up its own before any thread (client.allocator).
+        "runtime_env": {
+            "env_vars": {
+                **SERVING_RUNTIME_ENV["env_vars"],
+                **retained_memory_environment(config.server.retained_free_mib * 2**20),
+            }
+        },
     }
     if detached:
         options["lifetime"] = "detached"

@@ -28,6 +28,7 @@ import pytest
 from helpers import Lines, free_port
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
+from rlfeed.service.config import ServerConfig
 
 _spec = importlib.util.spec_from_file_location(
     "exactly_once", Path(__file__).with_name("exactly_once.py")
@@ -252,6 +253,17 @@ def test_two_front_ends_start_on_the_embedded_ray_with_the_default_config(tmp_pa
         assert len(actors) == 3
         niceness = {os.getpriority(os.PRIO_PROCESS, pid) for pid in actors}
         assert niceness == {os.getpriority(os.PRIO_PROCESS, serve.pid)}
+        # Their glibc malloc keeps freed memory for the next step's buffers from the
+        # worker's start (one heap), as `rlfeed serve` sets up its own (client.allocator).
+        retained = str(ServerConfig().retained_free_mib * 2**20)
+        for pid in _frontend_pids(serve.pid):
+            environ = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                if "=" in item
+            )
+            assert environ.get("MALLOC_ARENA_MAX") == "1"
+            assert environ.get("MALLOC_TRIM_THRESHOLD_") == retained
         serve.terminate()
         assert serve.wait(timeout=60) == 0
     finally:
