@@ -3,12 +3,12 @@ for large records, straight to the device (O_DIRECT).
 
 Why: a front-end journals every ingest byte it acknowledges, 8 MiB records at hundreds of
 MiB/s. Through the page cache every byte is first copied into freshly allocated kernel
-pages; on the 2-core dev VM that copy cost 0.27-0.37 CPU-s per 144 MiB (a third of the
-front-end's CPU with the journal on), while the same bytes written with O_DIRECT from an
-aligned buffer cost ~0.005 CPU-s: the device reads them by DMA
-(`tests/bench/bench_journal.py --direct`). The fsync that makes them durable is the same
-either way, and so is what a reader sees (the kernel drops cached pages a direct write
-replaces).
+pages; on the 2-core dev VM those writes took 0.27-0.37 CPU-s per 144 MiB in the
+end-to-end benchmark (a third of the front-end's CPU with the journal on; 0.05 when the
+kernel had freed pages at hand), while O_DIRECT writes of the same bytes from an aligned
+buffer took 0.004-0.007 CPU-s, plus ~0.015 s to copy them into it: the device reads them by
+DMA. The fsync that makes them durable is the same either way, and so is what a reader
+sees (the kernel drops cached pages a direct write replaces).
 
 O_DIRECT wants offsets, lengths and memory aligned to the device's block. The appender
 keeps the segment's partial last block in memory and writes it again, followed by the new
