@@ -152,7 +152,9 @@ FOLDER_ARROWS: dict[str, set[str]] = {
         "service/frontend",
         "service/scheduler",
     },
+    # client: its allocator settings, given to front-end actors as environment variables.
     "service/scaleout": {
+        "client",
         "service/config",
         "service/frontend",
         "service/metrics",
