@@ -26,7 +26,9 @@ def _records(journal: Journal) -> list[tuple[int, bytes]]:
 
 
 @pytest.mark.parametrize("sync", ["always", "group", "none"])
-def test_records_handed_over_get_the_positions_and_bytes_append_would_give(tmp_path, sync) -> None:
+def test_records_handed_over_get_the_positions_and_bytes_append_would_give(
+    tmp_path, sync
+) -> None:
     """In the order handed over; an `append` from another thread meanwhile takes its own
     place among them (positions are given as records are written)."""
     payloads = [bytes([i]) * (300_000 if i % 2 else 100) for i in range(8)]
