@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
 from rlfeed.proto import rlfeed_pb2 as pb
@@ -64,23 +63,20 @@ class RolloutIngest:
     @admitted
     def SubmitRolloutBatch(self, request: RolloutBatchView, context) -> pb.SubmitAck:
         received = time.monotonic()
-        retention = self.frontend.retention
-        with retention.appending() if retention is not None else contextlib.nullcontext():
-            journaled = self._journal_later(request.arrow_ipc) if retention is not None else None
-            arrays = None
-            try:
-                arrays = decode_batch(request.arrow_ipc)
-                validate_batch(arrays, self.frontend.config)
-            except InvalidBatchError as exc:
-                self.frontend.scheduler.record_rejection()
-                self._refuse(exc, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
-            try:
-                reply = self._ingest(arrays, journaled)
-            except JournalWriteError as exc:  # nothing acknowledged; the journal heals itself
-                error = JournalUnwritableError(
-                    f"rlfeed: the batch was not taken: {exc}", max(exc.retry_after_s, 0.5)
-                )
-                self._refuse(error, arrays, grpc.StatusCode.RESOURCE_EXHAUSTED, context)
+        arrays = None
+        try:
+            arrays = decode_batch(request.arrow_ipc)
+            validate_batch(arrays, self.frontend.config)
+        except InvalidBatchError as exc:
+            self.frontend.scheduler.record_rejection()
+            self._refuse(exc, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
+        try:
+            reply = self._ingest(arrays, request.arrow_ipc)
+        except JournalWriteError as exc:  # nothing acknowledged; the journal heals itself
+            error = JournalUnwritableError(
+                f"rlfeed: the batch was not taken: {exc}", max(exc.retry_after_s, 0.5)
+            )
+            self._refuse(error, arrays, grpc.StatusCode.RESOURCE_EXHAUSTED, context)
         if reply.kind is IngestKind.INVALID:
             error = InvalidBatchError(reply.message, reason=reply.reason)
             self._refuse(error, arrays, grpc.StatusCode.INVALID_ARGUMENT, context)
@@ -106,43 +102,23 @@ class RolloutIngest:
             context.set_trailing_metadata(((RETRY_AFTER_MS, retry_after_ms),))
         context.abort(code, str(error))
 
-    def _journal_later(self, arrow_ipc: bytes | memoryview) -> Callable[[], int]:
-        """Start journaling a batch before it is decoded: the journal's thread writes it
-        (device time) while this one decodes and validates it. A batch refused meanwhile
-        leaves a record nothing refers to, which retention deletes with its segment. One
-        over `[journal] max_record_bytes` raises once it is valid, as journaling it would."""
-        try:
-            return self.frontend.journal.append_later(KIND_BATCH, arrow_ipc)
-        except ValueError as exc:
-            too_large = exc
-
-            def refused() -> int:
-                raise too_large
-
-            return refused
-
-    def _ingest(
-        self, arrays: RolloutBatchArrays, journaled: Callable[[], int] | None
-    ) -> IngestReply:
+    def _ingest(self, arrays: RolloutBatchArrays, arrow_ipc: bytes | memoryview) -> IngestReply:
         """Buffer a validated batch in the actor, in a call shared with the batches arriving
         alongside; hand the steps it made ready to the assembler and free what the actor
-        released. With a journal the Arrow bytes, as received, are durable first
-        (`journaled()` waits for it) and their position is the batch's key: the actor
-        records the batch by it. Called within `SlotRetention.appending`."""
-        payloads = self.frontend.payloads
-        key = None
-        if journaled is not None:
-            key = journaled()
-            if len(arrays):
+        released. With a journal the Arrow bytes are journaled first, as received, and its
+        position is the batch's key: the actor records the batch by it."""
+        payloads, retention = self.frontend.payloads, self.frontend.retention
+        with retention.appending() if retention is not None else contextlib.nullcontext():
+            key = None
+            if len(arrays) and retention is not None:
+                key = retention.journal.append(KIND_BATCH, arrow_ipc)
                 payloads.put(key, arrays.columns)
-            else:
-                key = None  # an empty batch: its record is never referred to
-        elif len(arrays):
-            key = payloads.add(arrays.columns)
-        handle = BatchHandle(self.frontend.id, key) if key is not None else None
-        # A failed call keeps the columns: the batch may have been buffered before the
-        # failure (the actor's journal then has it, and this slot serves it).
-        reply = self._groups.ingest(batch_meta(arrays), handle)
+            elif len(arrays):
+                key = payloads.add(arrays.columns)
+            handle = BatchHandle(self.frontend.id, key) if key is not None else None
+            # A failed call keeps the columns: the batch may have been buffered before the
+            # failure (the actor's journal then has it, and this slot serves it).
+            reply = self._groups.ingest(batch_meta(arrays), handle)
         if key is not None and not (reply.kind is IngestKind.OK and reply.result.accepted > 0):
             payloads.discard(key)  # the scheduler did not keep the batch
         if reply.work:

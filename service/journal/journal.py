@@ -24,7 +24,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlfeed.service.config.journal import JournalConfig
@@ -36,7 +36,6 @@ from rlfeed.service.journal.files import (
     make_private_directory,
     sync_fd,
 )
-from rlfeed.service.journal.handoff import WriterThread
 from rlfeed.service.journal.records import (
     FILE_HEADER_BYTES,
     RECORD_HEADER_BYTES,
@@ -81,10 +80,6 @@ class Journal:
         self._write_lock = threading.Lock()  # the file, its size, the segment list, next_seq
         self._durability = Durability(directory, next_seq - 1)  # what appenders wait on
         self._durable_bytes = tail_bytes  # end of the durable records of the newest segment
-        self._writer = WriterThread(
-            lambda kind, payload: self._write(kind, payload, crc32c(payload)),
-            name=f"rlfeed-journal-{directory.name}",
-        )
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], config: JournalConfig) -> Journal:
@@ -151,27 +146,19 @@ class Journal:
         responses, one per rank): their positions, consecutive unless other threads append
         meanwhile. A `ValueError` for an oversized one writes none of them. A memoryview
         (an ingest payload inside its request) is written and checksummed in place."""
-        payloads = [_record_payload(p, self.config.max_record_bytes) for p in payloads]
+        payloads = [p if type(p) is bytes else memoryview(p).cast("B") for p in payloads]
+        for payload in payloads:
+            if len(payload) > self.config.max_record_bytes:
+                raise ValueError(
+                    f"record of {len(payload)} bytes exceeds max_record_bytes "
+                    f"({self.config.max_record_bytes})"
+                )
         written = [self._write(kind, payload, crc32c(payload)) for payload in payloads]
         if self.config.sync == "group" and written:
             self._wait_durable(*written[-1])
         if len({epoch for _, epoch in written}) > 1:  # healed in between: the first ones went
             raise self._durability.write_error()
         return [position for position, _ in written]
-
-    def append_later(self, kind: int, payload: bytes | memoryview) -> Callable[[], int]:
-        """`append`, written by the journal's writer thread while the caller goes on (a
-        front-end validating the batch it journals); call the result to wait until the
-        record is durable per policy: its position, or what `append` would raise."""
-        pending = self._writer.submit(kind, _record_payload(payload, self.config.max_record_bytes))
-
-        def durable() -> int:
-            position, epoch = pending.result()
-            if self.config.sync == "group":
-                self._wait_durable(position, epoch)
-            return position
-
-        return durable
 
     def _write(self, kind: int, payload: bytes | memoryview, payload_crc: int) -> tuple[int, int]:
         """Write one record (fsynced with sync "always"); its position and epoch."""
@@ -242,7 +229,6 @@ class Journal:
 
     def close(self) -> None:
         """Sync what was written, close the file and release the directory. Idempotent."""
-        self._writer.close()  # after what was handed to it is written
         with self._write_lock:
             if self._file.fd < 0:
                 return
@@ -350,14 +336,3 @@ class Journal:
                     durability.mark(target)
         finally:
             durability.done_leading()
-
-
-def _record_payload(payload: bytes | memoryview, max_record_bytes: int) -> bytes | memoryview:
-    """`payload` as the bytes a record holds (a memoryview is read in place); `ValueError`
-    if it is over `max_record_bytes` (nothing is written)."""
-    payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
-    if len(payload) > max_record_bytes:
-        raise ValueError(
-            f"record of {len(payload)} bytes exceeds max_record_bytes ({max_record_bytes})"
-        )
-    return payload
