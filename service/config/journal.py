@@ -62,8 +62,9 @@ class JournalConfig:
         "append records of 256 KiB or more (a front-end's ingest batches) with O_DIRECT: "
         "the device reads them from an aligned buffer instead of the kernel copying them "
         "into the page cache first, about a tenth of the CPU per journaled byte; fsyncs and "
-        "what survives a crash are the same. Where the file system refuses O_DIRECT, "
-        "records go through the page cache (one warning)",
+        "what survives a crash are the same (with sync = \"none\" such an append waits for "
+        "its write to reach the device, not for an fsync). Where the file system refuses "
+        "O_DIRECT, records go through the page cache (one warning)",
     )
     group_commit_window_seconds: float = documented(
         0.0,
