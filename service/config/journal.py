@@ -61,8 +61,8 @@ class JournalConfig:
         True,
         "append records of 256 KiB or more (a front-end's ingest batches) with O_DIRECT: "
         "the device reads them from an aligned buffer instead of the kernel copying them "
-        "into the page cache first, about a tenth of the CPU per journaled byte; fsyncs and "
-        "what survives a crash are the same (with sync = \"none\" such an append waits for "
+        "into the page cache first, several times less CPU per journaled byte; fsyncs and "
+        'what survives a crash are the same (with sync = "none" such an append waits for '
         "its write to reach the device, not for an fsync). Where the file system refuses "
         "O_DIRECT, records go through the page cache (one warning)",
     )
