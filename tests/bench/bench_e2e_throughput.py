@@ -3,7 +3,7 @@
 Run:  .venv/bin/python tests/bench/bench_e2e_throughput.py [--case long|short|both]
       [--producers 2] [--in-flight 1] [--rollouts N] [--batch-rollouts N] [--repeats 1]
       [--replicas 1] [--stages] [--cpu] [--cold] [--client-env NAME=VALUE ...]
-      [--journal group|always|none]
+      [--journal group|always|none] [--page-cache]
 Cost: about 30 s on 2 cores (Ray start-up included), both cases, one repeat; each further
 repeat about 10-15 s per case.
 
@@ -125,7 +125,11 @@ def run_e2e(case: Case, options: Options) -> dict:
     disk_rate = disk_write_rate(journal_dir) if journal_dir else 0.0
     config = with_overrides(
         SidecarConfig(),
-        journal={"dir": journal_dir, "sync": options.journal or "group"},
+        journal={
+            "dir": journal_dir,
+            "sync": options.journal or "group",
+            "direct_io": options.direct_io,
+        },
         server={"port": 0, "replicas": replicas},
         batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
         rollouts={
@@ -361,6 +365,11 @@ def main() -> None:
         help="journal the sidecar's run in a fresh temp dir with this [journal] sync policy "
         "(default: no journal)",
     )
+    parser.add_argument(
+        "--page-cache",
+        action="store_true",
+        help="with --journal: [journal] direct_io = false (every record through the page cache)",
+    )
     args = parser.parse_args()
     options = Options(
         producers=args.producers,
@@ -370,6 +379,7 @@ def main() -> None:
         client_env=dict(args.client_env),
         warm_up=not args.cold,
         journal=args.journal,
+        direct_io=not args.page_cache,
     )
     names = ("long", "short") if args.case == "both" else (args.case,)
     for name in names:

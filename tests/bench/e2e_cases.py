@@ -62,6 +62,7 @@ class Options:
     client_env: dict[str, str] = field(default_factory=dict)  # every client's environment
     warm_up: bool = True  # producers and ranks run the workload once untimed first
     journal: str | None = None  # [journal] sync policy, journal in a fresh temp dir; None: off
+    direct_io: bool = True  # [journal] direct_io: large records written with O_DIRECT
 
     def first_timed_step(self, case: Case) -> int:
         """The first step in the timed window: the warm-up pass has the steps before it."""
