@@ -68,11 +68,6 @@ class SegmentAppender:
             else:
                 self._tail = self._read_tail()
 
-    @property
-    def direct(self) -> bool:
-        """Whether large appends bypass the page cache (False where O_DIRECT was refused)."""
-        return self._direct_fd >= 0
-
     def write(self, chunks: Sequence[bytes | memoryview]) -> None:
         """Append `chunks` at the logical end. An OSError leaves `size` as it was (the file
         may hold part of them: `truncate` cuts it back)."""
