@@ -125,11 +125,9 @@ def run_e2e(case: Case, options: Options) -> dict:
     disk_rate = disk_write_rate(journal_dir) if journal_dir else 0.0
     config = with_overrides(
         SidecarConfig(),
-        journal={
-            "dir": journal_dir,
-            "sync": options.journal or "group",
-            "direct_io": options.direct_io,
-        },
+        # direct_io only when turned off: older trees, which the bench also runs, lack it.
+        journal={"dir": journal_dir, "sync": options.journal or "group"}
+        | ({} if options.direct_io else {"direct_io": False}),
         server={"port": 0, "replicas": replicas},
         batching={"token_budget": case.token_budget, "world_size": WORLD_SIZE},
         rollouts={
