@@ -32,11 +32,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlfeed.service.journal.files import write_all, write_direct
+from rlfeed.service.journal.files import BLOCK_BYTES, write_all, write_direct
 
 _log = logging.getLogger("rlfeed.service.journal")
 
-BLOCK_BYTES = 4096  # O_DIRECT alignment: a multiple of every common logical block size
 DIRECT_MIN_BYTES = 256 << 10  # smaller appends go through the page cache
 BUFFER_BYTES = 4 << 20  # the aligned buffer a direct write is staged in, reused
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)

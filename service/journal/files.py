@@ -18,6 +18,9 @@ from pathlib import Path
 
 from rlfeed.service.journal.errors import JournalLockedError
 
+# O_DIRECT's alignment of offsets, lengths and memory: a multiple of every common logical
+# block size.
+BLOCK_BYTES = 4096
 # fdatasync flushes the data and the size (what a reader needs), not the timestamps.
 _datasync = getattr(os, "fdatasync", os.fsync)
 FILE_MODE = 0o600  # segments, snapshots, LOCK: the owner reads and writes, nobody else
@@ -98,7 +101,7 @@ def write_direct(fd: int, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
         while done < nbytes:
             with view[done:nbytes] as rest:
                 written = os.pwrite(fd, rest, offset + done)
-            if written <= 0 or (written < nbytes - done and written % 4096):
+            if written <= 0 or (written < nbytes - done and written % BLOCK_BYTES):
                 raise OSError(errno.EIO, f"short direct write: {written} of {nbytes - done} bytes")
             done += written
 

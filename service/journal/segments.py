@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from rlfeed.service.journal.appender import BLOCK_BYTES
 from rlfeed.service.journal.errors import JournalCorruptError, JournalRangeError
-from rlfeed.service.journal.files import create_file_atomically, fsync_directory
+from rlfeed.service.journal.files import BLOCK_BYTES, create_file_atomically, fsync_directory
 from rlfeed.service.journal.records import (
     FILE_HEADER_BYTES,
     RECORD_HEADER_BYTES,

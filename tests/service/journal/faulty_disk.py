@@ -72,7 +72,7 @@ class FaultyDisk:
         if code is None:
             _real_write_direct(fd, buffer, nbytes, offset)
             return
-        blocks = nbytes // 2 // appender_module.BLOCK_BYTES * appender_module.BLOCK_BYTES
+        blocks = nbytes // 2 // files_module.BLOCK_BYTES * files_module.BLOCK_BYTES
         if blocks:
             _real_write_direct(fd, buffer, blocks, offset)  # what fit before the disk said no
         self._raise(code)

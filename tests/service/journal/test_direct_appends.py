@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from rlfeed.service.journal import Journal, JournalConfig
 from rlfeed.service.journal import appender as appender_module
-from rlfeed.service.journal.appender import BLOCK_BYTES, BUFFER_BYTES, DIRECT_MIN_BYTES
+from rlfeed.service.journal.appender import BUFFER_BYTES, DIRECT_MIN_BYTES
+from rlfeed.service.journal.files import BLOCK_BYTES
 
 # Around every boundary the appender handles: a block, the direct threshold, its buffer.
 SIZES = [
