@@ -65,10 +65,8 @@ def retain_freed_memory(max_bytes: int, *, single_arena: bool = False) -> bool:
     they do not reach); False without glibc, or for max_bytes <= 0, which leaves the
     allocator alone."""
     libc = _glibc()
-    if libc is None or max_bytes <= 0:
+    if libc is None or not _retaining(max_bytes):
         return False
-    if max_bytes > MAX_RETAINED_BYTES:
-        raise ValueError(f"max_bytes must be at most {MAX_RETAINED_BYTES}, got {max_bytes}")
     mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD)
     trim_set = libc.mallopt(_M_TRIM_THRESHOLD, max_bytes)
     arena_set = libc.mallopt(_M_ARENA_MAX, 1) if single_arena else 1
@@ -81,12 +79,17 @@ def retained_memory_environment(max_bytes: int) -> dict[str, str]:
     allocation. For a process rlfeed does not start itself, whose threads exist before any
     rlfeed code runs (a Ray actor's worker: a front-end actor), where the call would come
     too late for the one shared heap. Empty for max_bytes <= 0 (the allocator left alone)."""
-    if max_bytes <= 0:
+    if not _retaining(max_bytes):
         return {}
-    if max_bytes > MAX_RETAINED_BYTES:
-        raise ValueError(f"max_bytes must be at most {MAX_RETAINED_BYTES}, got {max_bytes}")
     return {
         "MALLOC_ARENA_MAX": "1",
         "MALLOC_MMAP_THRESHOLD_": str(MAX_MMAP_THRESHOLD),
         "MALLOC_TRIM_THRESHOLD_": str(max_bytes),
     }
+
+
+def _retaining(max_bytes: int) -> bool:
+    """Whether `max_bytes` asks to retain freed memory (> 0); ValueError past mallopt's int."""
+    if max_bytes > MAX_RETAINED_BYTES:
+        raise ValueError(f"max_bytes must be at most {MAX_RETAINED_BYTES}, got {max_bytes}")
+    return max_bytes > 0
