@@ -375,8 +375,7 @@ class BatchServing:
         answer = self._ack_here(request)
         if answer is not None:
             return answer
-        rank = int(request.rank)
-        through_step = int(request.through_step) if request.HasField("through_step") else None
+        rank, through_step = _ack_of(request)
         acked = self.frontend.scheduler.ack_steps(rank, through_step)
         if isinstance(acked, Refused):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
@@ -395,8 +394,7 @@ class BatchServing:
     def _ack_here(self, request: pb.AckStepsRequest) -> pb.AckStepsResponse | None:
         """The answer to AckSteps if this front-end gives it itself (then the actor hears
         the acknowledgement in order, as a note); None: the actor answers."""
-        rank = int(request.rank)
-        through_step = int(request.through_step) if request.HasField("through_step") else None
+        rank, through_step = _ack_of(request)
         acked = self.acks.answer(rank, through_step, self.frontend.signals.newest_stored_here)
         if acked is None:
             return None
@@ -418,3 +416,9 @@ class BatchServing:
     @unavailable_when_ray_fails
     def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
         return status_to_proto(self.frontend.scheduler.status(), self.frontend.config)
+
+
+def _ack_of(request: pb.AckStepsRequest) -> tuple[int, int | None]:
+    """(rank, through_step) of an AckSteps request; through_step None when unset."""
+    through_step = int(request.through_step) if request.HasField("through_step") else None
+    return int(request.rank), through_step
