@@ -1,8 +1,8 @@
 """The memory of a sidecar's processes, read from /proc: a process and every process under
 it (an embedded Ray's raylet, GCS and workers), their VmRSS summed, sampled over a run.
 
-Loaded by path (`importlib`) by the overload, slow-disk and chaos runs, as
-`exactly_once.py` is.
+Loaded by path (`importlib`) by the overload, slow-disk and chaos runs and the CLI tests
+(which find a demo's or a sidecar's processes with it), as `exactly_once.py` is.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 MIB = 2**20
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process under it (from /proc/*/stat's parent pids)."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Parent pid -> the pids of its children, every process now (from /proc/*/stat)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -23,6 +23,12 @@ def process_tree(root: int) -> list[int]:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process under it."""
+    children = children_by_parent()
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()

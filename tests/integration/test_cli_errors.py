@@ -9,6 +9,7 @@ SIGTERM is marked slow).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,6 +25,12 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 from rlfeed import __version__
+
+_spec = importlib.util.spec_from_file_location(
+    "sidecar_memory", Path(__file__).with_name("sidecar_memory.py")
+)
+sidecar_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sidecar_memory)
 
 ROOT = Path(__file__).resolve().parents[2]
 FAIL_WITHIN_S = 10.0
@@ -248,19 +255,6 @@ def test_status_json_is_strict_json_with_nan_as_null(demo_sidecar):
     assert status["last_reports"][0].get("ratio_outlier_share") is None
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _until_first_step(demo: subprocess.Popen) -> None:
     for line in demo.stdout:
         if line.startswith("step "):
@@ -288,7 +282,7 @@ def test_demo_stops_on_ctrl_c_and_sigterm_in_one_line(demo_sidecar, signum, code
     )  # fmt: skip
     try:
         _until_first_step(demo)
-        trainers = _children(demo.pid)
+        trainers = sidecar_memory.children_by_parent().get(demo.pid, [])
         assert len(trainers) == 2, trainers
         sent = time.monotonic()
         if signum == signal.SIGINT:
@@ -358,19 +352,10 @@ def _tagged_processes(tag: str) -> list[str]:
 
 
 # --------------------------------------------------------- the scheduler dies, no journal
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        children = _children(todo.pop())
-        found += children
-        todo += children
-    return found
-
-
 def _scheduler_actor_of(serve_pid: int) -> int:
     """The `ray::SchedulerActor` process of this `rlfeed serve`'s embedded Ray (never
     another sidecar's: only this process's descendants are searched)."""
-    for pid in _descendants(serve_pid):
+    for pid in sidecar_memory.process_tree(serve_pid)[1:]:
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::SchedulerActor"):
                 return pid
