@@ -12,7 +12,9 @@ tensors alias the Arrow buffers). While the trainer works on step s, a backgroun
 never at import or construction, and `close()` (or leaving the `with` block) stops it.
 
 Acknowledging: when the loop asks for step s + 1, this rank is done with step s (the
-user's optimizer stepped on it), and the loader tells the sidecar (`AckSteps`, `ack()`).
+user's optimizer stepped on it), and the loader tells the sidecar: with its next fetch
+(`client/acks.py`) where the sidecar takes it so, else by an `AckSteps` call of its own;
+the loop's last step is acknowledged by a call when the loop ends (`ack()` always calls).
 The sidecar keeps a step until every rank acknowledged it, then `[batching]
 retained_steps` more steps, so a trainer resuming from a checkpoint that far back is
 served its steps again. `auto_ack=False` leaves it to the user: `loader.ack(step)` after
@@ -56,6 +58,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlfeed.client.acks import UnsentAck
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
 from rlfeed.client.prefetch import Prefetcher, PrefetchStopped
@@ -211,6 +214,8 @@ class BatchLoader:
         self._next_step = start_step
         self._prefetcher: Prefetcher[TrainStep] | None = None
         self._declared = False  # told the sidecar this rank acknowledges (first fetch)
+        self._acks_with_fetch = False  # the sidecar's answer to that: fetches carry acks
+        self._unsent_ack = UnsentAck()
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -225,8 +230,9 @@ class BatchLoader:
             self._next_step = step.step + 1
             yield step
             if self.auto_ack:  # asked for the next step: this one is done
-                self.ack(step.step)
+                self._done_with(step.step)
         self._stop_prefetcher()
+        self._send_unsent_ack()
 
     @property
     def connect_timeout_s(self) -> float:
@@ -247,15 +253,19 @@ class BatchLoader:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
         if not self._declared:  # before any fetch can count as done
-            self._acknowledge(None)
+            self._acks_with_fetch = self._acknowledge(None).acks_with_get_batch
             self._declared = True
         started = warned = time.monotonic()  # warned: the last "still waiting" warning
         deadline = started + self.timeout_s
         outage = self._retry.outage(TRANSIENT_CODES, limit_s=self.timeout_s)
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
+            acked = self._unsent_ack.peek()
             try:
-                response = self._get_batch(step, self.rank, wait)
+                if acked is None:
+                    response = self._get_batch(step, self.rank, wait)
+                else:
+                    response = self._get_batch(step, self.rank, wait, acked_through=acked)
             except SidecarError as exc:
                 if exc.code == "INVALID_ARGUMENT":
                     raise self._invalid_request(exc) from None
@@ -267,6 +277,8 @@ class BatchLoader:
                 time.sleep(min(self.poll_s, _UNAVAILABLE_RETRY_S))
                 continue
             outage.succeeded()
+            if acked is not None:
+                self._unsent_ack.sent(acked)
             if response.ready:
                 return self._decode(response, step)
             now = time.monotonic()
@@ -327,14 +339,28 @@ class BatchLoader:
         not assembled `step` (e.g. it restarted without a journal)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self._acknowledge(int(step))
+        return int(self._acknowledge(int(step)).acked_through)
 
-    def _acknowledge(self, through_step: int | None) -> int:
+    def _done_with(self, step: int) -> None:
+        """The loop asked for the step after `step`: acknowledge it, with the next fetch
+        where the sidecar takes it so."""
+        if self._acks_with_fetch:
+            self._unsent_ack.note(step)
+        else:
+            self.ack(step)
+
+    def _send_unsent_ack(self) -> None:
+        """The loop ended: no fetch follows to carry what it is done with."""
+        step = self._unsent_ack.peek()
+        if step is not None:
+            self._acknowledge(step)
+            self._unsent_ack.sent(step)
+
+    def _acknowledge(self, through_step: int | None) -> pb.AckStepsResponse:
         try:
-            response = self._retry.call(lambda: self._transport.ack_steps(self.rank, through_step))
+            return self._retry.call(lambda: self._transport.ack_steps(self.rank, through_step))
         except InvalidRequestError as exc:
             raise self._invalid_request(exc) from None
-        return int(response.acked_through)
 
     # -- checkpointing --------------------------------------------------------------------
 

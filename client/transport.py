@@ -194,7 +194,8 @@ class Transport(Protocol):
 
     def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
         """Rank's microbatches of `step`; waits up to `wait_s` for assembly, then answers
-        with `ready = False`."""
+        with `ready = False`. A transport whose `ack_steps` answers `acks_with_get_batch`
+        also takes `acked_through=` (an acknowledgement applied first, see `ack_steps`)."""
         ...
 
     def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
@@ -289,14 +290,20 @@ class GrpcTransport:
     def sample_tasks(self, n: int) -> pb.SampleTasksResponse:
         return self._call(self._tasks.SampleTasks, pb.SampleTasksRequest(n=n))
 
-    def get_batch(self, step: int, rank: int, wait_s: float) -> pb.GetBatchResponse:
-        request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
+    def get_batch(
+        self, step: int, rank: int, wait_s: float, acked_through: int | None = None
+    ) -> pb.GetBatchResponse:
+        """GetBatch; `acked_through` rides along as its `acked_through_step` (only for a
+        sidecar whose AckSteps answer says `acks_with_get_batch`)."""
+        request = _get_batch_request(step, rank, wait_s, acked_through)
         return self._call(self._batches.GetBatch, request, timeout_s=wait_s + self._call_timeout_s)
 
-    def get_batch_view(self, step: int, rank: int, wait_s: float) -> ServedResponse:
+    def get_batch_view(
+        self, step: int, rank: int, wait_s: float, acked_through: int | None = None
+    ) -> ServedResponse:
         """`get_batch`, answered as a `ServedResponse`: the Arrow payloads stay in the
         received bytes (what `BatchLoader` uses)."""
-        request = pb.GetBatchRequest(step=step, rank=rank, timeout_ms=int(wait_s * 1000))
+        request = _get_batch_request(step, rank, wait_s, acked_through)
         return self._call(self._get_batch_view, request, timeout_s=wait_s + self._call_timeout_s)
 
     def ack_steps(self, rank: int, through_step: int | None) -> pb.AckStepsResponse:
@@ -311,6 +318,14 @@ class GrpcTransport:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _get_batch_request(
+    step: int, rank: int, wait_s: float, acked_through: int | None
+) -> pb.GetBatchRequest:
+    return pb.GetBatchRequest(
+        step=step, rank=rank, timeout_ms=int(wait_s * 1000), acked_through_step=acked_through
+    )
 
 
 def _sidecar_error(

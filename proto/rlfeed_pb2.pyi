@@ -14,10 +14,12 @@ class AckStepsRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., through_step: _Optional[int] = ...) -> None: ...
 
 class AckStepsResponse(_message.Message):
-    __slots__ = ["acked_through"]
+    __slots__ = ["acked_through", "acks_with_get_batch"]
     ACKED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    ACKS_WITH_GET_BATCH_FIELD_NUMBER: _ClassVar[int]
     acked_through: int
-    def __init__(self, acked_through: _Optional[int] = ...) -> None: ...
+    acks_with_get_batch: bool
+    def __init__(self, acked_through: _Optional[int] = ..., acks_with_get_batch: bool = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ["batches_rejected", "policy_tokens_assembled", "revisits_sampled", "rollouts_accepted", "rollouts_duplicate", "rollouts_expired", "rollouts_received", "rollouts_saved_by_filter", "rollouts_stale", "rollouts_trained", "steps_assembled", "tasks_requested", "tasks_sampled", "trainer_reports", "zero_advantage_groups", "zero_advantage_rollouts_dropped"]
@@ -72,14 +74,16 @@ class FrontEnd(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., slot: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ["rank", "step", "timeout_ms"]
+    __slots__ = ["acked_through_step", "rank", "step", "timeout_ms"]
+    ACKED_THROUGH_STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    acked_through_step: int
     rank: int
     step: int
     timeout_ms: int
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., acked_through_step: _Optional[int] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ["microbatches", "microbatches_per_rank", "min_policy_version", "num_rollouts", "policy_token_count", "policy_version", "rank", "ready", "step", "world_size"]

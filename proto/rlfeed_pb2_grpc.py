@@ -309,6 +309,8 @@ class BatchServingServicer(object):
         INVALID_ARGUMENT: rank outside [0, world_size), or `through_step` not assembled yet
         (>= the status' next_step; after a sidecar restart without a journal, a sign that the
         step numbers started again).
+        A sidecar that answers `acks_with_get_batch` also takes the acknowledgement with the
+        rank's next GetBatch (`GetBatchRequest.acked_through_step`): one call per step, not two.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

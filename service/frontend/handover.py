@@ -16,7 +16,7 @@ from rlfeed.service.frontend.assembler import (
     AssemblyFailures,
     StepAssembler,
 )
-from rlfeed.service.frontend.serving import POLL_SECONDS
+from rlfeed.service.frontend.re_asks import POLL_SECONDS
 from rlfeed.service.frontend.state import FrontendState
 
 _log = logging.getLogger("rlfeed.service.frontend.handover")

@@ -129,7 +129,7 @@ def _load_journaled(
             journal.directory, missing[0], f"{len(missing)} acknowledged records are missing"
         )
     for step in sorted(loaded):
-        responses.put(step, loaded[step])
+        responses.put(step, loaded[step], restored=True)
     return len(batches), len(loaded)
 
 
@@ -153,7 +153,7 @@ def derive_steps(
         for rank, (found, wanted) in enumerate(zip(digests(built), expected, strict=True)):
             if tuple(found) != tuple(wanted):
                 raise RederiveMismatchError(work.step, rank, found, tuple(wanted))
-        responses.put(work.step, built)
+        responses.put(work.step, built, restored=True)
     return len(derive)
 
 

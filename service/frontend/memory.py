@@ -24,9 +24,13 @@ class ResponseCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, step: int, responses: list[bytes]) -> None:
+    def put(self, step: int, responses: list[bytes], *, restored: bool = False) -> None:
+        """`restored`: loaded or rebuilt from the journal after a restart. Which ranks
+        fetched the step before, and whether the actor has released it since, only the
+        actor knows, so none of its fetches is a first fetch here: each asks the actor."""
         with self._lock:
-            self._steps[step] = (responses, set())
+            served = set(range(len(responses))) if restored else set()
+            self._steps[step] = (responses, served)
             self._bytes += sum(map(len, responses))
 
     def get(self, step: int) -> list[bytes] | None:

@@ -11,14 +11,18 @@ answers a first fetch of a step stored here on the loop, and runs only what bloc
 actor's answer, a peer's) in the loop's executor, the server's thread pool. AckSteps too:
 `AckStepsAsync` answers on the loop what a lone front-end answers itself (`acks.py`) and
 takes the actor's answer in the pool.
+
+A GetBatch carrying `acked_through_step` is an AckSteps first, answered the same way, so a
+rank's step costs one call, not two (the acknowledgement of step s rides on the fetch of
+s + 2 that the loader's prefetch makes once the loop asks for s + 1). A fetch forwarded to
+another front-end goes without it: it was applied here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import functools
 import time
-from collections import OrderedDict
 
 import grpc
 import ray
@@ -27,6 +31,7 @@ from rlfeed.service.codec.messages import status_to_proto
 from rlfeed.service.codec.request_checks import trainer_report_of
 from rlfeed.service.frontend.acks import LoneAcks
 from rlfeed.service.frontend.aio_host import PoolContext
+from rlfeed.service.frontend.re_asks import POLL_SECONDS, ReAsks
 from rlfeed.service.frontend.state import (
     AdmissionGate,
     FrontendState,
@@ -44,50 +49,6 @@ from rlfeed.service.scheduler.records import (
     Refused,
     StoredObject,
 )
-
-# A waiting GetBatch re-asks the actor this often even without a local "step stored"
-# signal (a step this front-end did not store; with replicas, another front-end's).
-POLL_SECONDS = 0.25
-
-
-# Steps whose re-asks `ReAsks` remembers (the newest ones; a step is waited for briefly).
-_REMEMBERED_STEPS = 1024
-
-
-class ReAsks:
-    """Who re-asks the actor about a step once waits time out: one waiting call per step
-    per POLL_SECONDS, not each of them (256 ranks waiting would ask ~1000 times a second,
-    each taking a pool thread for a round trip). The actor's answer to one rank about a
-    step not stored is every rank's; once a re-ask got anything else (the bytes, or an
-    answer that ends the call, e.g. released), every waiting call of that step asks for
-    itself, woken at once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._asked: OrderedDict[int, float] = OrderedDict()  # step -> when last re-asked
-        self._answered: OrderedDict[int, None] = OrderedDict()  # steps every call asks
-
-    def claim(self, step: int) -> bool:
-        """Whether this call re-asks about `step` now (and others hold off)."""
-        now = time.monotonic()
-        with self._lock:
-            if step in self._answered:
-                return True
-            last = self._asked.get(step)
-            if last is not None and now - last < POLL_SECONDS:
-                return False
-            self._asked[step] = now
-            self._asked.move_to_end(step)
-            while len(self._asked) > _REMEMBERED_STEPS:
-                self._asked.popitem(last=False)
-            return True
-
-    def answered(self, step: int) -> None:
-        """A re-ask about `step` was answered: from now on every call asks for itself."""
-        with self._lock:
-            self._answered[step] = None
-            while len(self._answered) > _REMEMBERED_STEPS:
-                self._answered.popitem(last=False)
 
 
 class CallEnds(Exception):
@@ -181,6 +142,9 @@ class BatchServing:
             context.abort(end.code, end.details)
 
     def _get_batch(self, request: pb.GetBatchRequest, context) -> bytes | pb.GetBatchResponse:
+        ack = _fetch_ack_of(request)
+        if ack is not None and self._ack_here(*ack) is None:
+            self._ack_by_actor(*ack, field="acked_through_step")
         signals, poll = self.frontend.signals, _Poll(self.frontend, request, context)
         while True:
             # Read before asking, so a step stored in between still wakes the wait below.
@@ -221,6 +185,11 @@ class BatchServing:
         self, request: pb.GetBatchRequest, context
     ) -> bytes | pb.GetBatchResponse:
         loop = asyncio.get_running_loop()
+        ack = _fetch_ack_of(request)
+        if ack is not None and self._ack_here(*ack) is None:
+            await loop.run_in_executor(
+                None, functools.partial(self._ack_by_actor, *ack, field="acked_through_step")
+            )
         signals, poll = self.frontend.signals, _Poll(self.frontend, request, context)
         while True:
             version = signals.version
@@ -320,6 +289,10 @@ class BatchServing:
         fetch, in its order after the step's store); None if it cannot be reached (the
         announcement is forgotten and the actor's path answers instead). Its answers,
         NOT_FOUND and INVALID_ARGUMENT included, are this call's answers."""
+        if request.HasField("acked_through_step"):  # applied here already
+            request = pb.GetBatchRequest(
+                step=request.step, rank=request.rank, timeout_ms=request.timeout_ms
+            )
         try:
             return self.frontend.peers.forward_get_batch(holder, request, context.time_remaining())
         except grpc.RpcError as exc:
@@ -372,34 +345,41 @@ class BatchServing:
 
     @unavailable_when_ray_fails
     def AckSteps(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
-        answer = self._ack_here(request)
-        if answer is not None:
-            return answer
         rank, through_step = _ack_of(request)
-        acked = self.frontend.scheduler.ack_steps(rank, through_step)
-        if isinstance(acked, Refused):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, acked.message)
-        self.acks.heard(rank, acked)
-        return pb.AckStepsResponse(acked_through=acked)
+        acked = self._ack_here(rank, through_step)
+        if acked is None:
+            try:
+                acked = self._ack_by_actor(rank, through_step)
+            except CallEnds as end:
+                context.abort(end.code, end.details)
+        return pb.AckStepsResponse(acked_through=acked, acks_with_get_batch=True)
 
     async def AckStepsAsync(self, request: pb.AckStepsRequest, context) -> pb.AckStepsResponse:
         """AckSteps on an asyncio server: answered on the loop when this front-end knows
         the answer (`acks.py`: it never blocks), else in the pool (it waits for the actor)."""
-        answer = self._ack_here(request)
-        if answer is not None:
-            return answer
+        acked = self._ack_here(*_ack_of(request))
+        if acked is not None:
+            return pb.AckStepsResponse(acked_through=acked, acks_with_get_batch=True)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.AckSteps, request, PoolContext(context, loop))
 
-    def _ack_here(self, request: pb.AckStepsRequest) -> pb.AckStepsResponse | None:
-        """The answer to AckSteps if this front-end gives it itself (then the actor hears
-        the acknowledgement in order, as a note); None: the actor answers."""
-        rank, through_step = _ack_of(request)
+    def _ack_here(self, rank: int, through_step: int | None) -> int | None:
+        """The rank's acknowledged step if this front-end answers the acknowledgement
+        itself (then the actor hears it in order, as a note); None: the actor answers."""
         acked = self.acks.answer(rank, through_step, self.frontend.signals.newest_stored_here)
-        if acked is None:
-            return None
-        self.frontend.scheduler.note(AckNote(rank, through_step))
-        return pb.AckStepsResponse(acked_through=acked)
+        if acked is not None:
+            self.frontend.scheduler.note(AckNote(rank, through_step))
+        return acked
+
+    def _ack_by_actor(self, rank: int, through_step: int | None, field: str = "") -> int:
+        """The actor's answer to the acknowledgement (blocks on it); `CallEnds` if refused,
+        its message after `field`, the request field that carried it, if given."""
+        acked = self.frontend.scheduler.ack_steps(rank, through_step)
+        if isinstance(acked, Refused):
+            named = f"{field} (AckSteps' through_step): " if field else ""
+            raise CallEnds(grpc.StatusCode.INVALID_ARGUMENT, named + acked.message)
+        self.acks.heard(rank, acked)
+        return acked
 
     @unavailable_when_ray_fails
     def ReportTrainerMetrics(self, request: pb.TrainerReport, context) -> pb.TrainerReportAck:
@@ -416,6 +396,13 @@ class BatchServing:
     @unavailable_when_ray_fails
     def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
         return status_to_proto(self.frontend.scheduler.status(), self.frontend.config)
+
+
+def _fetch_ack_of(request: pb.GetBatchRequest) -> tuple[int, int] | None:
+    """(rank, through_step) of the acknowledgement a GetBatch carries, if any."""
+    if not request.HasField("acked_through_step"):
+        return None
+    return int(request.rank), int(request.acked_through_step)
 
 
 def _ack_of(request: pb.AckStepsRequest) -> tuple[int, int | None]:

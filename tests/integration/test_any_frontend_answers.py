@@ -22,8 +22,9 @@ import pytest
 from rlfeed.proto import rlfeed_pb2 as pb
 from rlfeed.proto import rlfeed_pb2_grpc as pb_grpc
 from rlfeed.service.frontend.journaling import frontend_slot
+from rlfeed.service.frontend.re_asks import POLL_SECONDS
 from rlfeed.service.frontend.server import start_server
-from rlfeed.service.frontend.serving import POLL_SECONDS, BatchServing
+from rlfeed.service.frontend.serving import BatchServing
 from rlfeed.service.testing import fetch_served_bytes, synthetic_groups
 
 GROUPS = {"prompts_per_step": 2, "group_size": 4}
