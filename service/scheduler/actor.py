@@ -163,17 +163,40 @@ class SchedulerActor:
         return result
 
     def sync(self, frontend_id: str, notes: list) -> Releases:
-        """Apply a front-end's notes; returns what it may free now."""
+        """Apply a front-end's notes; returns what it may free now. Made durable before
+        answering only when that frees something: a note's record not yet on disk when the
+        machine fails is lost as a note lost with its front-end is (a step stored but not
+        recorded is built again, byte-identical; a fetch or acknowledgement keeps a step a
+        little longer), and any other call's answer commits every record before its own.
+        The assembler's note flushes are most of the actor's calls: their fsyncs queued the
+        ingest calls that producers wait for."""
         if frontend_id in self._registry.orphaned:  # late: its steps go to its slot's next one
             raise RuntimeError(f"front-end {frontend_id} was declared dead")
-        self.apply_notes(notes)
-        return self._take_releases(frontend_id)
+        self._apply_notes(notes)
+        releases = self._take_releases(frontend_id)
+        if releases.payload_keys or releases.steps:
+            self._commit()
+        return releases
 
     def apply_notes(self, notes: list, then: str = "", *args: Any) -> Any:
         """Apply a front-end's notes (StoreStepNote, FetchNote, AckNote) in order, then
-        answer `then(*args)` if named (the notes ride along with its next call). A note the
-        scheduler refuses (a bug, never an input error) is logged and skipped, so it cannot
-        fail the call or take the notes after it down."""
+        answer `then(*args)` if named (the notes ride along with its next call). The notes'
+        records and `then`'s are made durable by one commit, after `then`: nothing leaves
+        the actor in between, so the answer waits for both as before, with one fsync."""
+        self._apply_notes(notes)
+        try:
+            if not then:
+                return None
+            if then.startswith("_") or not callable(getattr(self, then, None)):
+                raise ValueError(f"apply_notes: {then!r} is not a call of the scheduler actor")
+            return getattr(self, then)(*args)
+        finally:
+            self._commit()  # a no-op when `then` committed and wrote nothing since
+
+    def _apply_notes(self, notes: list) -> None:
+        """The notes' state changes, recorded, not committed. A note the scheduler refuses
+        (a bug, never an input error) is logged and skipped, so it cannot fail the call or
+        take the notes after it down."""
         for note in notes:
             try:
                 if isinstance(note, StoreStepNote):
@@ -187,10 +210,6 @@ class SchedulerActor:
             except ValueError:
                 self._notes_refused += 1
                 _log.exception("rlfeed scheduler: note %r refused", note)
-        self._commit()
-        if then and (then.startswith("_") or not callable(getattr(self, then, None))):
-            raise ValueError(f"apply_notes: {then!r} is not a call of the scheduler actor")
-        return getattr(self, then)(*args) if then else None
 
     def _store_step(self, note: StoreStepNote) -> None:
         self._registry.materializing.pop(note.step, None)
@@ -224,7 +243,7 @@ class SchedulerActor:
         that arrived at a front-end together share the call (`IngestGroups`). The last
         reply carries what the front-end may free."""
         self._require_registered(frontend_id)
-        self.apply_notes(notes)
+        self._apply_notes(notes)  # committed with the batches: one fsync
         replies = [self._ingest_one(meta, payload) for meta, payload in batches]
         self._commit()
         if self._journaled:
@@ -249,7 +268,7 @@ class SchedulerActor:
     def record_rejection(self, frontend_id: str, notes: list) -> None:
         if frontend_id in self._registry.orphaned:
             return
-        self.apply_notes(notes)
+        self._apply_notes(notes)
         self._scheduler.record_rejection()
         self._commit()
 
