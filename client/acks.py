@@ -12,7 +12,11 @@ sent twice (a fetch retried after UNAVAILABLE) changes nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
+
+_log = logging.getLogger(__name__)
 
 
 class UnsentAck:
@@ -37,3 +41,20 @@ class UnsentAck:
         with self._lock:
             if self._step == step:
                 self._step = None
+
+    def send(self, acknowledge: Callable[[int], object], quietly: bool = False) -> None:
+        """Send the step, if any, by `acknowledge(step)` (an AckSteps call) and forget it.
+        `quietly`: a failure is logged at debug level and the step kept, not raised (a
+        loop left by a break, a loader closing): a later acknowledgement, cumulative,
+        covers it, and until then the sidecar only keeps the step a little longer."""
+        step = self.peek()
+        if step is None:
+            return
+        try:
+            acknowledge(step)
+        except Exception as exc:
+            if not quietly:
+                raise
+            _log.debug("rlfeed: the acknowledgement of step %d was not sent: %s", step, exc)
+            return
+        self.sent(step)

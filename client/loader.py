@@ -221,18 +221,22 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[TrainStep]:
         self._stop_prefetcher()
-        while self.stop_step is None or self._next_step < self.stop_step:
-            if self.prefetch and self._prefetcher is None:
-                # (Re)started here, so load_state_dict() mid-iteration simply moves on.
-                self._prefetcher = Prefetcher(self, self._next_step, self.prefetch)
-            prefetcher = self._prefetcher
-            step = prefetcher.take() if prefetcher is not None else self.fetch(self._next_step)
-            self._next_step = step.step + 1
-            yield step
-            if self.auto_ack:  # asked for the next step: this one is done
-                self._done_with(step.step)
-        self._stop_prefetcher()
-        self._send_unsent_ack()
+        ended = False
+        try:
+            while self.stop_step is None or self._next_step < self.stop_step:
+                if self.prefetch and self._prefetcher is None:
+                    # (Re)started here, so load_state_dict() mid-iteration simply moves on.
+                    self._prefetcher = Prefetcher(self, self._next_step, self.prefetch)
+                prefetcher = self._prefetcher
+                step = prefetcher.take() if prefetcher is not None else self.fetch(self._next_step)
+                self._next_step = step.step + 1
+                yield step
+                if self.auto_ack:  # asked for the next step: this one is done
+                    self._done_with(step.step)
+            ended = True
+        finally:  # no fetch follows to carry what the loop is done with
+            self._stop_prefetcher()
+            self._send_unsent_ack(retry=ended)  # a break or an error: one try
 
     @property
     def connect_timeout_s(self) -> float:
@@ -349,12 +353,13 @@ class BatchLoader:
         else:
             self.ack(step)
 
-    def _send_unsent_ack(self) -> None:
-        """The loop ended: no fetch follows to carry what it is done with."""
-        step = self._unsent_ack.peek()
-        if step is not None:
-            self._acknowledge(step)
-            self._unsent_ack.sent(step)
+    def _send_unsent_ack(self, retry: bool = True) -> None:
+        """Send what the loop is done with that no fetch carried; `retry` False (a break
+        out of the loop, `close()`): one try, failing quietly (`UnsentAck.send`)."""
+        if retry:
+            self._unsent_ack.send(self._acknowledge)
+        else:
+            self._unsent_ack.send(lambda step: self._transport.ack_steps(self.rank, step), True)
 
     def _acknowledge(self, through_step: int | None) -> pb.AckStepsResponse:
         try:
@@ -366,9 +371,11 @@ class BatchLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """{"next_step": the step the next iteration yields, "rank", "world_size"}. The
-        steps before next_step are acknowledged by the time the loop yields next_step; a
-        loader resumed from this state is served them again while the sidecar retains
-        them (`[batching] retained_steps` steps after every rank acknowledged them)."""
+        steps before next_step are done: acknowledged by the time the loop yields
+        next_step, or, where fetches carry acknowledgements, by the next fetch (or when the
+        loop ends or the loader closes); a loader resumed from this state is served them
+        again while the sidecar retains them (`[batching] retained_steps` steps after every
+        rank acknowledged them)."""
         return {"next_step": self._next_step, "rank": self.rank, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,8 +426,10 @@ class BatchLoader:
         self._retry.call(lambda: self._transport.report(report))
 
     def close(self) -> None:
-        """Stop the prefetch thread and close an owned channel. Idempotent."""
+        """Stop the prefetch thread, send an acknowledgement no fetch carried (one try) and
+        close an owned channel. Idempotent."""
         self._stop_prefetcher()
+        self._send_unsent_ack(retry=False)
         if self._owns_transport:
             self._transport.close()
             self._owns_transport = False

@@ -181,8 +181,8 @@ def _take_over_slot(frontend: FrontendState, assembler: StepAssembler) -> None:
     the planned steps to materialize again, before serving anything."""
     claim = frontend.scheduler.claim_slot(frontend.slot)
     batches, steps = load_claim(frontend.journal, claim, frontend.payloads, frontend.responses)
-    for step in claim.steps:
-        frontend.signals.stored_here(step)
+    for step in [*claim.steps, *(work.step for work, _ in claim.derive)]:
+        frontend.signals.stored_here(step)  # (held here, journaled or built again)
     assembler.add_work(claim.work)
     if batches or steps or claim.work:
         _log.info(

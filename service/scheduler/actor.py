@@ -130,9 +130,12 @@ class SchedulerActor:
         return self._scheduler.step_payloads(step)
 
     def journal_floor(self, slot: str) -> int | None:
-        """The oldest position of `slot`'s journal still needed (None: none is)."""
+        """The oldest position of `slot`'s journal still needed (None: none is). Committed
+        first: the front-end deletes what it does not count, so it must count only what
+        recovery will not need again (a note flush may have left records not yet synced)."""
         if not isinstance(self._scheduler, JournaledScheduler):
             return None
+        self._commit()
         return self._scheduler.journal_floor(slot)
 
     def _commit(self) -> None:
@@ -167,8 +170,9 @@ class SchedulerActor:
         answering only when that frees something: a note's record not yet on disk when the
         machine fails is lost as a note lost with its front-end is (a step stored but not
         recorded is built again, byte-identical; a fetch or acknowledgement keeps a step a
-        little longer), and any other call's answer commits every record before its own.
-        The assembler's note flushes are most of the actor's calls: their fsyncs queued the
+        little longer). Every call that changes the state commits all records before it
+        answers, and so does `journal_floor`, whose answer lets a front-end delete. The
+        assembler's note flushes are most of the actor's calls: their fsyncs queued the
         ingest calls that producers wait for."""
         if frontend_id in self._registry.orphaned:  # late: its steps go to its slot's next one
             raise RuntimeError(f"front-end {frontend_id} was declared dead")
