@@ -58,7 +58,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlfeed.client.acks import UnsentAck
+from rlfeed.client.acks import Acknowledgements
 from rlfeed.client.allocator import MAX_RETAINED_BYTES, retain_freed_memory
 from rlfeed.client.arrow_codec import MicrobatchTensors, ServedResponse, decode_step
 from rlfeed.client.prefetch import Prefetcher, PrefetchStopped
@@ -214,8 +214,9 @@ class BatchLoader:
         self._next_step = start_step
         self._prefetcher: Prefetcher[TrainStep] | None = None
         self._declared = False  # told the sidecar this rank acknowledges (first fetch)
-        self._acks_with_fetch = False  # the sidecar's answer to that: fetches carry acks
-        self._unsent_ack = UnsentAck()
+        self._acks = Acknowledgements(
+            self._acknowledge, lambda step: self._transport.ack_steps(self.rank, step)
+        )
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -232,11 +233,11 @@ class BatchLoader:
                 self._next_step = step.step + 1
                 yield step
                 if self.auto_ack:  # asked for the next step: this one is done
-                    self._done_with(step.step)
+                    self._acks.done_with(step.step)
             ended = True
         finally:  # no fetch follows to carry what the loop is done with
             self._stop_prefetcher()
-            self._send_unsent_ack(retry=ended)  # a break or an error: one try
+            self._acks.flush(retry=ended)  # a break or an error: one try
 
     @property
     def connect_timeout_s(self) -> float:
@@ -257,14 +258,14 @@ class BatchLoader:
             retain_freed_memory(self._retained_free_bytes)
             self._retained_free_bytes = 0  # once: it stays set
         if not self._declared:  # before any fetch can count as done
-            self._acks_with_fetch = self._acknowledge(None).acks_with_get_batch
+            self._acks.declare()
             self._declared = True
         started = warned = time.monotonic()  # warned: the last "still waiting" warning
         deadline = started + self.timeout_s
         outage = self._retry.outage(TRANSIENT_CODES, limit_s=self.timeout_s)
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
-            acked = self._unsent_ack.peek()
+            acked = self._acks.unsent()
             try:
                 if acked is None:
                     response = self._get_batch(step, self.rank, wait)
@@ -282,7 +283,7 @@ class BatchLoader:
                 continue
             outage.succeeded()
             if acked is not None:
-                self._unsent_ack.sent(acked)
+                self._acks.sent(acked)
             if response.ready:
                 return self._decode(response, step)
             now = time.monotonic()
@@ -344,22 +345,6 @@ class BatchLoader:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return int(self._acknowledge(int(step)).acked_through)
-
-    def _done_with(self, step: int) -> None:
-        """The loop asked for the step after `step`: acknowledge it, with the next fetch
-        where the sidecar takes it so."""
-        if self._acks_with_fetch:
-            self._unsent_ack.note(step)
-        else:
-            self.ack(step)
-
-    def _send_unsent_ack(self, retry: bool = True) -> None:
-        """Send what the loop is done with that no fetch carried; `retry` False (a break
-        out of the loop, `close()`): one try, failing quietly (`UnsentAck.send`)."""
-        if retry:
-            self._unsent_ack.send(self._acknowledge)
-        else:
-            self._unsent_ack.send(lambda step: self._transport.ack_steps(self.rank, step), True)
 
     def _acknowledge(self, through_step: int | None) -> pb.AckStepsResponse:
         try:
@@ -429,7 +414,7 @@ class BatchLoader:
         """Stop the prefetch thread, send an acknowledgement no fetch carried (one try) and
         close an owned channel. Idempotent."""
         self._stop_prefetcher()
-        self._send_unsent_ack(retry=False)
+        self._acks.flush(retry=False)
         if self._owns_transport:
             self._transport.close()
             self._owns_transport = False

@@ -21,24 +21,19 @@ from rlfeed.service.config import SidecarConfig
 from rlfeed.service.errors import BackpressureError, InvalidBatchError
 from rlfeed.service.scheduler.frontends import FrontendRegistry
 from rlfeed.service.scheduler.journaled import JournaledScheduler
+from rlfeed.service.scheduler.notes import FrontendNotes
 from rlfeed.service.scheduler.records import (
-    AckNote,
     BatchHandle,
     BatchMeta,
     Fetch,
     FetchKind,
-    FetchNote,
-    HeldBy,
     IngestKind,
     IngestReply,
-    JournalRef,
-    Rederive,
     Refused,
     Releases,
     SampleResult,
     SlotClaim,
     StoredObject,
-    StoreStepNote,
 )
 from rlfeed.service.scheduler.state import Scheduler
 
@@ -65,7 +60,7 @@ class SchedulerActor:
             self._recovered_work = self._scheduler.recovered_work
         else:
             self._scheduler = Scheduler(config, track_releases=True)
-        self._notes_refused = 0  # shown by status: each one is a bug, see apply_notes
+        self._notes = FrontendNotes(self._scheduler, self._registry)
         self._sidecar_stopping = False  # see stop_sidecar
         # The front-ends' secret for their peer ports: shared through Ray (whoever can call
         # this actor is inside the Ray cluster already), never through config or files.
@@ -176,7 +171,7 @@ class SchedulerActor:
         ingest calls that producers wait for."""
         if frontend_id in self._registry.orphaned:  # late: its steps go to its slot's next one
             raise RuntimeError(f"front-end {frontend_id} was declared dead")
-        self._apply_notes(notes)
+        self._notes.apply(notes)
         releases = self._take_releases(frontend_id)
         if releases.payload_keys or releases.steps:
             self._commit()
@@ -187,7 +182,7 @@ class SchedulerActor:
         answer `then(*args)` if named (the notes ride along with its next call). The notes'
         records and `then`'s are made durable by one commit, after `then`: nothing leaves
         the actor in between, so the answer waits for both as before, with one fsync."""
-        self._apply_notes(notes)
+        self._notes.apply(notes)
         try:
             if not then:
                 return None
@@ -196,44 +191,6 @@ class SchedulerActor:
             return getattr(self, then)(*args)
         finally:
             self._commit()  # a no-op when `then` committed and wrote nothing since
-
-    def _apply_notes(self, notes: list) -> None:
-        """The notes' state changes, recorded, not committed. A note the scheduler refuses
-        (a bug, never an input error) is logged and skipped, so it cannot fail the call or
-        take the notes after it down."""
-        for note in notes:
-            try:
-                if isinstance(note, StoreStepNote):
-                    self._store_step(note)
-                elif isinstance(note, FetchNote):
-                    self._scheduler.fetch_batch(note.step, note.rank)
-                elif isinstance(note, AckNote):
-                    self._scheduler.ack_steps(note.rank, note.through_step)
-                else:
-                    raise ValueError("unknown kind of note")
-            except ValueError:
-                self._notes_refused += 1
-                _log.exception("rlfeed scheduler: note %r refused", note)
-
-    def _store_step(self, note: StoreStepNote) -> None:
-        self._registry.materializing.pop(note.step, None)
-        if not isinstance(self._scheduler, JournaledScheduler):
-            self._scheduler.store_step(note.step, note.handles, note.response_bytes)
-            return
-        frontend_id = self._frontend_of(note.handles[0])
-        slot = self._registry.slots.get(frontend_id, "")
-        refs: list | None = None
-        if slot and note.digests:  # built again from its batches after a restart
-            refs = [Rederive(slot, crc, size) for crc, size in note.digests]
-        elif slot:
-            refs = [JournalRef(slot, position) for position in note.positions]
-        # A late note of a front-end declared dead: its journal holds the bytes, not it.
-        handles = refs if refs and frontend_id in self._registry.orphaned else note.handles
-        self._scheduler.store_step(note.step, handles, note.response_bytes, refs)
-
-    @staticmethod
-    def _frontend_of(handle: Any) -> str:
-        return handle.frontend_id if isinstance(handle, HeldBy) else ""
 
     def _take_releases(self, frontend_id: str) -> Releases:
         """What `frontend_id` may free of what the scheduler released since the last call."""
@@ -247,7 +204,7 @@ class SchedulerActor:
         that arrived at a front-end together share the call (`IngestGroups`). The last
         reply carries what the front-end may free."""
         self._require_registered(frontend_id)
-        self._apply_notes(notes)  # committed with the batches: one fsync
+        self._notes.apply(notes)  # committed with the batches: one fsync
         replies = [self._ingest_one(meta, payload) for meta, payload in batches]
         self._commit()
         if self._journaled:
@@ -272,7 +229,7 @@ class SchedulerActor:
     def record_rejection(self, frontend_id: str, notes: list) -> None:
         if frontend_id in self._registry.orphaned:
             return
-        self._apply_notes(notes)
+        self._notes.apply(notes)
         self._scheduler.record_rejection()
         self._commit()
 
@@ -354,7 +311,7 @@ class SchedulerActor:
         return replace(
             self._scheduler.status(),
             front_ends=len(self._registry.frontends),
-            notes_refused=self._notes_refused,
+            notes_refused=self._notes.refused,
             front_end_list=self._registry.seen(),
         )
 
