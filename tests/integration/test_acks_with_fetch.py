@@ -6,6 +6,8 @@ shares the actor (`replicas` 2) asks the actor."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -184,6 +186,7 @@ def test_a_loop_left_by_a_break_still_acknowledges_the_steps_it_finished(make_si
     for step in loader:
         if step.step == 4:
             break
+        time.sleep(0.2)  # training on the step: the prefetch of the next one is answered
     loader.close()
     # Sent by the call at the break (or, if the fetch of step 4 had to poll again after
     # the loop noted 3, by that fetch); never step 4, which the loop did not finish.
