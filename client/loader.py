@@ -266,7 +266,7 @@ class BatchLoader:
         while True:
             wait = max(0.0, min(self.poll_s, deadline - time.monotonic()))
             acked = self._acks.unsent()
-            try:
+            try:  # the keyword only when set: a transport not taking it is never sent one
                 if acked is None:
                     response = self._get_batch(step, self.rank, wait)
                 else:

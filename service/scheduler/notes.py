@@ -23,7 +23,7 @@ from rlfeed.service.scheduler.records import (
 )
 from rlfeed.service.scheduler.state import Scheduler
 
-_log = logging.getLogger("rlfeed.service.scheduler.actor")
+_log = logging.getLogger("rlfeed.service.scheduler.actor")  # where these lines came from
 
 
 class FrontendNotes:
